@@ -1,0 +1,64 @@
+"""functional_shard: fully sharded data parallelism (FSDP / ZeRO-3) as explicit, pure transforms.
+
+    mesh = fs.init_mesh({"fsdp": 2})
+    apply_fn, params = fs.functionalize(model)
+    step = fs.sharded_step(loss_fn, mesh, optimizer=fs.optim.adamw(lr=1e-3))
+    state = step.init(params)
+    state, metrics = step(state, batch)
+"""
+
+from . import optim as optim
+from . import testing as testing
+from ._export import export as export
+from ._functionalize import functionalize as functionalize
+from ._launch import RankError as RankError
+from ._launch import launch as launch
+from ._layout import BufferSpec as BufferSpec
+from ._layout import Layout as Layout
+from ._layout import LayoutError as LayoutError
+from ._mesh import Mesh as Mesh
+from ._mesh import MeshError as MeshError
+from ._mesh import SimulatedMesh as SimulatedMesh
+from ._mesh import init_mesh as init_mesh
+from ._shard import Sharded as Sharded
+from ._shard import all_reduce as all_reduce
+from ._shard import gather as gather
+from ._shard import reduce_scatter as reduce_scatter
+from ._shard import shard as shard
+from ._step import Schedule as Schedule
+from ._step import ShardedStep as ShardedStep
+from ._step import StepError as StepError
+from ._step import StepState as StepState
+from ._step import sharded_step as sharded_step
+from ._tree import ModuleParams as ModuleParams
+from ._tree import units_by_block as units_by_block
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BufferSpec",
+    "Layout",
+    "LayoutError",
+    "Mesh",
+    "MeshError",
+    "ModuleParams",
+    "RankError",
+    "Schedule",
+    "ShardedStep",
+    "Sharded",
+    "SimulatedMesh",
+    "StepError",
+    "StepState",
+    "all_reduce",
+    "export",
+    "functionalize",
+    "gather",
+    "init_mesh",
+    "launch",
+    "optim",
+    "reduce_scatter",
+    "shard",
+    "sharded_step",
+    "testing",
+    "units_by_block",
+]

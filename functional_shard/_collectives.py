@@ -1,0 +1,107 @@
+"""The differentiable collectives, as adjoint pairs of `torch.autograd.Function`s.
+
+All three work on flat, contiguous 1-D buffers and take the mesh as a non-tensor argument.
+They use `setup_context` (not `ctx` in `forward`), which is what lets `torch.func.grad`,
+`torch.func.vjp` and `make_fx` go through them; a backward calls the dual *Function* (not a
+raw op) so that higher-order and traced gradients keep working.
+
+- `GatherFlat`:        forward all-gather over the shard axis;
+                       backward reduce-scatter (sum) over the shard axis, then all-reduce (sum)
+                       over the replicate axes (the gradient of a replicated parameter).
+- `ReduceScatterFlat`: forward reduce-scatter (sum) over the shard axis, then all-reduce over the
+                       replicate axes; backward all-gather over the shard axis.
+- `AllReduceFlat`:     forward all-reduce (sum) over the given axes; backward the same
+                       all-reduce (sum over ranks is self-adjoint).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._mesh import _MeshBase
+
+__all__ = ["GatherFlat", "ReduceScatterFlat", "AllReduceFlat", "gather_bytes"]
+
+# Dtypes gloo has no kernels for: data movement moves their bytes instead.
+_MOVE_AS_BYTES = {torch.int16, torch.uint16, torch.uint32, torch.uint64, torch.complex32, torch.complex64, torch.complex128}
+
+
+class GatherFlat(torch.autograd.Function):
+    """All-gather in forward; reduce-scatter (+ replicate all-reduce) in backward.
+
+    Arguments:
+        shard: this rank's slice, `[shard_numel]`, contiguous.
+        mesh: the mesh; gathers over its shard axis.
+
+    Returns `[num_shards * shard_numel]`: every rank's slice, in shard order, on every rank.
+    """
+
+    @staticmethod
+    def forward(shard: torch.Tensor, mesh: _MeshBase) -> torch.Tensor:
+        return mesh.all_gather_flat(shard)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        ctx.mesh = inputs[1]
+
+    @staticmethod
+    def backward(ctx, grad_full: torch.Tensor):
+        return ReduceScatterFlat.apply(grad_full.contiguous(), ctx.mesh), None
+
+
+class ReduceScatterFlat(torch.autograd.Function):
+    """Reduce-scatter (sum over every rank, this rank keeps its shard-axis slice) in forward;
+    all-gather over the shard axis in backward.
+
+    Arguments:
+        full: `[num_shards * n]` on every rank, contiguous.
+        mesh: the mesh.
+
+    Returns `[n]`: slice `shard_index` of the sum of `full` over all ranks of the mesh.
+    """
+
+    @staticmethod
+    def forward(full: torch.Tensor, mesh: _MeshBase) -> torch.Tensor:
+        out = mesh.reduce_scatter_flat(full)
+        if mesh.replicate_axes:
+            out = mesh.all_reduce_flat(out, mesh.replicate_axes)
+        return out
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        ctx.mesh = inputs[1]
+
+    @staticmethod
+    def backward(ctx, grad_shard: torch.Tensor):
+        return GatherFlat.apply(grad_shard.contiguous(), ctx.mesh), None
+
+
+class AllReduceFlat(torch.autograd.Function):
+    """Sum over the ranks along `axes` (all axes when None) in forward; the same sum in backward.
+
+    Arguments:
+        x: any contiguous tensor, same shape on every rank.
+        mesh: the mesh.
+        axes: names of the axes to sum over, or None for every axis.
+    """
+
+    @staticmethod
+    def forward(x: torch.Tensor, mesh: _MeshBase, axes: tuple[str, ...] | None) -> torch.Tensor:
+        return mesh.all_reduce_flat(x, axes)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        ctx.mesh, ctx.axes = inputs[1], inputs[2]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return AllReduceFlat.apply(grad.contiguous(), ctx.mesh, ctx.axes), None, None
+
+
+def gather_bytes(shard: torch.Tensor, mesh: _MeshBase) -> torch.Tensor:
+    """Non-differentiable all-gather of any dtype: dtypes the backend cannot reduce are moved
+    as raw bytes (an all-gather only moves data, so their bits arrive unchanged)."""
+    shard = shard.detach()
+    if shard.dtype in _MOVE_AS_BYTES:
+        return mesh.all_gather_flat(shard.view(torch.uint8)).view(shard.dtype)
+    return mesh.all_gather_flat(shard)

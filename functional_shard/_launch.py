@@ -1,0 +1,209 @@
+"""The local launcher: run a function in several CPU processes of this machine, gloo between them.
+
+`launch(main, world_size=2)` is to one machine what `torchrun` is to many: it sets `RANK`,
+`WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR` and `MASTER_PORT` in each process, so the same
+`main` runs under both. It watches every rank: when one raises, the parent raises `RankError`
+with that rank's number and traceback, and the others are stopped (after `grace` seconds in
+which they may report their own errors), so nothing hangs and no process is left behind.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.connection
+import os
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+
+from ._mesh import _free_port
+
+__all__ = ["launch", "RankError"]
+
+
+class RankError(RuntimeError):
+    """A rank of a local launch failed.
+
+    Attributes:
+        rank: the first rank that failed.
+        remote_traceback: its traceback, as text.
+        failures: rank -> one-line description, for every rank that failed or was stopped.
+    """
+
+    def __init__(self, rank: int, summary: str, remote_traceback: str, failures: dict[int, str]):
+        self.rank = rank
+        self.remote_traceback = remote_traceback
+        self.failures = failures
+        others = "".join(f"\n  rank {r}: {why}" for r, why in sorted(failures.items()) if r != rank)
+        super().__init__(
+            f"rank {rank} failed: {summary}{others}\n\n--- traceback of rank {rank} ---\n{remote_traceback}"
+        )
+
+
+def _environment(rank: int, world_size: int, port: int) -> dict[str, str]:
+    return {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "GROUP_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
+
+
+def _threads_per_rank(world_size: int) -> int:
+    return max(1, (os.cpu_count() or 1) // world_size)
+
+
+def _report_error(conn, error: BaseException) -> None:
+    summary = f"{type(error).__name__}: {error}".splitlines()[0][:500]
+    conn.send(("error", summary, traceback.format_exc()))
+
+
+def _run_rank(rank: int, world_size: int, port: int, conn, main: Callable, args: tuple, kwargs: dict, threads: int):
+    os.environ.update(_environment(rank, world_size, port))
+    torch.set_num_threads(threads)
+    try:
+        result = main(*args, **kwargs)
+        conn.send(("ok", result if rank == 0 else None))
+    except BaseException as error:  # noqa: BLE001 - every failure must reach the parent
+        _report_error(conn, error)
+        conn.close()
+        os._exit(1)  # do not wait in process-group teardown for ranks that may be gone
+    _destroy_process_group()
+    conn.close()
+
+
+def _destroy_process_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class _Ranks:
+    """Processes of one local world and a pipe to each; collects one report per rank."""
+
+    def __init__(self, world_size: int, target: Callable, extra_args: tuple, *, start_method: str = "spawn"):
+        self.world_size = world_size
+        context = multiprocessing.get_context(start_method)
+        port = _free_port()
+        self.connections = []
+        self.processes = []
+        for rank in range(world_size):
+            parent_end, child_end = context.Pipe()
+            process = context.Process(
+                target=target,
+                args=(rank, world_size, port, child_end, *extra_args),
+                name=f"functional_shard-rank{rank}",
+                daemon=True,
+            )
+            process.start()
+            child_end.close()
+            self.connections.append(parent_end)
+            self.processes.append(process)
+
+    def collect(self, *, timeout: float | None, grace: float) -> list[Any]:
+        """One report from every rank: their results, in rank order, or `RankError`."""
+        results: dict[int, Any] = {}
+        failures: dict[int, tuple[str, str]] = {}
+        first_failure: float | None = None
+        deadline = None if timeout is None else time.monotonic() + timeout
+        waiting = set(range(self.world_size))
+        while waiting:
+            now = time.monotonic()
+            if first_failure is not None and now - first_failure > grace:
+                for rank in waiting:
+                    failures[rank] = (f"stopped by the launcher {grace:.0f} s after rank {min(failures)} failed", "")
+                self.stop()
+                break
+            if deadline is not None and now > deadline:
+                for rank in waiting:
+                    failures[rank] = (f"no report within the launch timeout of {timeout} s", "")
+                self.stop()
+                break
+            watched = {self.connections[r]: r for r in waiting}
+            watched.update({self.processes[r].sentinel: r for r in waiting})
+            for ready in multiprocessing.connection.wait(list(watched), timeout=0.2):
+                rank = watched[ready]
+                if rank not in waiting:
+                    continue
+                connection = self.connections[rank]
+                report = None
+                try:
+                    if connection.poll():
+                        report = connection.recv()
+                except (EOFError, OSError):
+                    report = None
+                if report is None:
+                    if ready is connection or not self.processes[rank].is_alive():
+                        self.processes[rank].join(timeout=1)
+                        code = self.processes[rank].exitcode
+                        report = ("error", f"process exited with code {code} without a report", "")
+                    else:
+                        continue
+                waiting.discard(rank)
+                if report[0] == "ok":
+                    results[rank] = report[1]
+                else:
+                    failures[rank] = (report[1], report[2])
+                    if first_failure is None:
+                        first_failure = time.monotonic()
+        if failures:
+            real = [r for r, (_, tb) in failures.items() if tb] or sorted(failures)
+            first = min(real, key=lambda r: (not failures[r][1], r))
+            summary, remote_traceback = failures[first]
+            raise RankError(first, summary, remote_traceback, {r: s for r, (s, _) in failures.items()})
+        return [results[r] for r in range(self.world_size)]
+
+    def stop(self) -> None:
+        for process in self.processes:
+            if process.is_alive():
+                process.terminate()
+        for process in self.processes:
+            process.join(timeout=5)
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=5)
+        for connection in self.connections:
+            connection.close()
+
+
+def launch(
+    main: Callable[..., Any],
+    world_size: int = 2,
+    *,
+    args: tuple = (),
+    kwargs: dict | None = None,
+    timeout: float | None = None,
+    grace: float = 10.0,
+    threads_per_rank: int | None = None,
+) -> Any:
+    """Run `main(*args, **kwargs)` in `world_size` local processes and return rank 0's result.
+
+    Arguments:
+        main: a picklable (module-level) function. Inside it, `fs.init_mesh(...)` joins the
+            world (gloo on CPU). Its return value on rank 0 must be picklable.
+        world_size: number of processes.
+        args / kwargs: passed to `main` on every rank.
+        timeout: seconds the whole launch may take before every rank is stopped (default: none).
+        grace: seconds the other ranks get, once one has failed, to report before they are
+            stopped (a rank blocked in a collective with the failed one would otherwise wait
+            for its collective timeout).
+        threads_per_rank: `torch.set_num_threads` in each rank (default: cores // world_size).
+
+    Raises `RankError` naming the failed rank, with its traceback; no process outlives the call.
+    The caller's script must guard its entry point with `if __name__ == "__main__":` (the
+    processes are spawned, not forked, so they import it afresh).
+    """
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int; got {world_size!r}")
+    threads = threads_per_rank or _threads_per_rank(world_size)
+    ranks = _Ranks(world_size, _run_rank, (main, tuple(args), dict(kwargs or {}), threads))
+    try:
+        return ranks.collect(timeout=timeout, grace=grace)[0]
+    finally:
+        ranks.stop()

@@ -1,0 +1,218 @@
+"""Layouts: how a pytree of tensors is cut into units, flat buffers and per-rank shards.
+
+The leaves of a unit that share a dtype and a role are concatenated, in leaf order, into one
+flat buffer, padded with zeros to `num_shards * shard_numel` (never less than one element per
+rank, so that no collective ever moves an empty tensor). Rank `i` of the shard axis keeps
+elements `[i * shard_numel, (i + 1) * shard_numel)`. Module buffers (role `buffer`) are not
+part of any flat buffer: each rank keeps its own copy whole.
+
+A layout is immutable and hashable; it is all that `gather(shard(tree)) == tree` needs to be
+exact for any shapes (0-d and empty included) and any dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, Sequence
+
+import optree
+import torch
+
+from ._tree import BUFFER, TRAINABLE, flatten, leaf_path_strings, leaf_roles, units_by_block
+
+__all__ = ["BufferSpec", "Layout", "make_layout", "check_leaves_match", "LayoutError"]
+
+UnitPolicy = Callable[[str], str]
+
+
+class LayoutError(ValueError):
+    """A pytree that cannot be sharded, or a sharded value that does not fit its layout."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BufferSpec:
+    """One flat buffer: the leaves of one unit with one dtype and one role.
+
+    Attributes:
+        name: `unit`, with `/frozen` for frozen leaves and `/<dtype>` when the unit holds
+            several dtypes in that role.
+        unit: the unit it belongs to (e.g. `blocks.3`).
+        dtype: the dtype of every leaf in it, and of the buffer.
+        trainable: True for trainable parameters, False for frozen ones.
+        leaves: indices of its leaves in the tree's flatten order.
+        numel: elements before padding (sum of the leaves' numels).
+        shard_numel: elements each rank keeps (`ceil(numel / num_shards)`, at least 1).
+    """
+
+    name: str
+    unit: str
+    dtype: torch.dtype
+    trainable: bool
+    leaves: tuple[int, ...]
+    sizes: tuple[int, ...]
+    numel: int
+    shard_numel: int
+    num_shards: int
+
+    @property
+    def padded_numel(self) -> int:
+        return self.shard_numel * self.num_shards
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the full (unsharded, padded) buffer: what one all-gather of it moves."""
+        return self.padded_numel * self.dtype.itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where every leaf of a pytree lives once sharded.
+
+    Attributes:
+        treedef: the pytree structure (optree, namespace `functional_shard`).
+        paths / shapes / dtypes / roles: one entry per leaf, in flatten order.
+        buffers: the flat buffers (units x dtypes x roles), in order of first appearance.
+        local: indices of the leaves that are not sharded (module buffers), kept whole per rank.
+        num_shards: size of the mesh's shard axis.
+    """
+
+    treedef: optree.PyTreeSpec
+    paths: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[torch.dtype, ...]
+    roles: tuple[str, ...]
+    buffers: tuple[BufferSpec, ...]
+    local: tuple[int, ...]
+    num_shards: int
+
+    @property
+    def units(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(b.unit for b in self.buffers))
+
+    def signature(self) -> str:
+        """A text that two ranks' layouts share exactly when they are the same."""
+        leaves = ";".join(
+            f"{p}:{tuple(s)}:{str(d).removeprefix('torch.')}:{r}"
+            for p, s, d, r in zip(self.paths, self.shapes, self.dtypes, self.roles)
+        )
+        units = ";".join(f"{b.name}={b.leaves}" for b in self.buffers)
+        return f"{self.treedef}|{leaves}|{units}|{self.num_shards}"
+
+    def describe_leaf(self, index: int) -> str:
+        shape = list(self.shapes[index])
+        return f"leaf {self.paths[index]!r} (shape {shape}, {str(self.dtypes[index]).removeprefix('torch.')})"
+
+    # --- flat buffers <-> leaves -------------------------------------------------------------
+
+    def flatten_buffer(self, spec: BufferSpec, leaves: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The full padded buffer `[padded_numel]` of `spec` from the tree's leaves (all of them)."""
+        parts = [leaves[i].reshape(-1) for i in spec.leaves]
+        pad = spec.padded_numel - spec.numel
+        parts.append(torch.zeros(pad, dtype=spec.dtype, device=_device_of(parts)))
+        return torch.cat(parts)
+
+    def unflatten_buffer(self, spec: BufferSpec, full: torch.Tensor) -> list[torch.Tensor]:
+        """Views of the leaves of `spec` in a full buffer. `split` + `view`: its backward is one
+        `cat`, where slicing leaf by leaf would add a full-size zero tensor per leaf."""
+        pieces = torch.split(full, [*spec.sizes, spec.padded_numel - spec.numel])
+        return [piece.view(self.shapes[i]) for piece, i in zip(pieces, spec.leaves)]
+
+    def shard_of(self, full: torch.Tensor, spec: BufferSpec, shard_index: int) -> torch.Tensor:
+        """Rank `shard_index`'s slice of a full buffer, as a tensor of its own."""
+        start = shard_index * spec.shard_numel
+        return full[start : start + spec.shard_numel].clone()
+
+    def assemble(self, buffer_leaves: dict[int, torch.Tensor], local: Sequence[torch.Tensor]) -> Any:
+        """The pytree from leaves of the flat buffers (index -> tensor) and the local leaves."""
+        leaves: list[Any] = [None] * len(self.paths)
+        for i, t in buffer_leaves.items():
+            leaves[i] = t
+        for i, t in zip(self.local, local):
+            leaves[i] = t
+        return optree.tree_unflatten(self.treedef, leaves)
+
+
+def _device_of(parts: list[torch.Tensor]) -> torch.device:
+    return parts[0].device if parts else torch.device("cpu")
+
+
+def make_layout(tree: Any, num_shards: int, *, units: UnitPolicy | None = None) -> tuple[Layout, list[torch.Tensor]]:
+    """The layout of `tree` over `num_shards` shards, and its leaves (flatten order).
+
+    Arguments:
+        tree: a pytree whose leaves are all tensors (a `ModuleParams` may sit anywhere in it).
+        num_shards: size of the shard axis.
+        units: `path -> unit name`; default `units_by_block` (one unit per repeated block).
+
+    Raises `LayoutError` naming the path of a leaf that is not a tensor.
+    """
+    units = units or units_by_block
+    leaves, treedef = flatten(tree)
+    paths = leaf_path_strings(tree)
+    roles = leaf_roles(tree)
+    for path, leaf in zip(paths, leaves):
+        if not isinstance(leaf, torch.Tensor):
+            raise LayoutError(
+                f"leaf {path!r} is a {type(leaf).__name__} ({leaf!r:.80}), not a torch.Tensor: every leaf "
+                f"of a sharded pytree must be a tensor (put static values in the function, not the tree)"
+            )
+    groups: dict[tuple[str, bool, torch.dtype], list[int]] = {}
+    local = []
+    for i, (path, leaf, role) in enumerate(zip(paths, leaves, roles)):
+        if role == BUFFER:
+            local.append(i)
+            continue
+        unit = units(path)
+        if not isinstance(unit, str):
+            raise LayoutError(f"the unit policy returned {unit!r} for leaf {path!r}; it must return a str")
+        # Only floating leaves can be differentiated; others are carried like frozen ones.
+        trainable = role == TRAINABLE and leaf.dtype.is_floating_point
+        groups.setdefault((unit, trainable, leaf.dtype), []).append(i)
+    dtypes_per_unit_role: dict[tuple[str, bool], int] = {}
+    for unit, trainable, _ in groups:
+        dtypes_per_unit_role[unit, trainable] = dtypes_per_unit_role.get((unit, trainable), 0) + 1
+    specs = []
+    for (unit, trainable, dtype), members in groups.items():
+        name = unit + ("" if trainable else "/frozen")
+        if dtypes_per_unit_role[unit, trainable] > 1:
+            name += "/" + str(dtype).removeprefix("torch.")
+        sizes = tuple(leaves[i].numel() for i in members)
+        numel = sum(sizes)
+        specs.append(
+            BufferSpec(
+                name=name,
+                unit=unit,
+                dtype=dtype,
+                trainable=trainable,
+                leaves=tuple(members),
+                sizes=sizes,
+                numel=numel,
+                shard_numel=max(1, math.ceil(numel / num_shards)),
+                num_shards=num_shards,
+            )
+        )
+    layout = Layout(
+        treedef=treedef,
+        paths=tuple(paths),
+        shapes=tuple(tuple(leaf.shape) for leaf in leaves),
+        dtypes=tuple(leaf.dtype for leaf in leaves),
+        roles=tuple(roles),
+        buffers=tuple(specs),
+        local=tuple(local),
+        num_shards=num_shards,
+    )
+    return layout, leaves
+
+
+def check_leaves_match(layout: Layout, leaves: Sequence[torch.Tensor], what: str) -> None:
+    """Raise `LayoutError` naming the first leaf whose shape or dtype differs from the layout."""
+    for i, leaf in enumerate(leaves):
+        if not isinstance(leaf, torch.Tensor):
+            raise LayoutError(f"{what}: leaf {layout.paths[i]!r} is a {type(leaf).__name__}, not a tensor")
+        if tuple(leaf.shape) != layout.shapes[i] or leaf.dtype != layout.dtypes[i]:
+            raise LayoutError(
+                f"{what}: {layout.describe_leaf(i)} expected, got shape {list(leaf.shape)} "
+                f"{str(leaf.dtype).removeprefix('torch.')}"
+            )
+

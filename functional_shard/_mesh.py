@@ -1,0 +1,312 @@
+"""Meshes: named axes of ranks, and the three collectives the library is built from.
+
+A mesh names the axes of the world's ranks, e.g. `{"fsdp": 4}` or `{"replicate": 2, "fsdp": 4}`.
+Parameters are sharded over one axis (the *shard axis*: `"fsdp"` if present, else the last one)
+and replicated over the others (hybrid sharding). Every collective here works on flat,
+contiguous 1-D tensors and is written as torch's functional collectives
+(`torch.ops._c10d_functional.*` followed by `wait_tensor`), so traced graphs hold them as nodes.
+
+`SimulatedMesh` has the same interface for ranks that are threads of one process (testing).
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import os
+import threading
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+__all__ = ["Mesh", "SimulatedMesh", "init_mesh", "MeshError"]
+
+_C10D = torch.ops._c10d_functional
+
+class MeshError(RuntimeError):
+    """Ranks disagree (structure, shapes, collective sequence) or the mesh does not fit the world."""
+
+
+def _check_axes(axes: dict[str, int]) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    if not isinstance(axes, dict) or not axes:
+        raise ValueError(f"mesh axes must be a non-empty dict name -> size, e.g. {{'fsdp': 2}}; got {axes!r}")
+    for name, size in axes.items():
+        if not isinstance(name, str) or not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ValueError(f"mesh axis {name!r} must map a str to a positive int; got size {size!r} in {axes!r}")
+    return tuple(axes), tuple(axes.values())
+
+
+def _shard_axis_of(names: Sequence[str], shard_axis: str | None) -> str:
+    if shard_axis is None:
+        return "fsdp" if "fsdp" in names else names[-1]
+    if shard_axis not in names:
+        raise ValueError(f"shard_axis {shard_axis!r} is not one of the mesh axes {list(names)}")
+    return shard_axis
+
+
+class _MeshBase:
+    """What every mesh offers: names, sizes, this rank's coordinates, and flat collectives."""
+
+    axis_names: tuple[str, ...]
+    axis_sizes: tuple[int, ...]
+    rank: int
+    world_size: int
+    shard_axis: str
+
+    @property
+    def shape(self) -> dict[str, int]:
+        """Axis name -> size, in mesh order."""
+        return dict(zip(self.axis_names, self.axis_sizes))
+
+    @property
+    def num_shards(self) -> int:
+        """Size of the shard axis: into how many slices each parameter buffer is cut."""
+        return self.shape[self.shard_axis]
+
+    @property
+    def coordinates(self) -> dict[str, int]:
+        """This rank's index along every axis (row-major over `axis_names`)."""
+        return _coordinates(self, self.rank)
+
+    @property
+    def shard_index(self) -> int:
+        """Which slice of each buffer this rank keeps: its coordinate on the shard axis."""
+        return self.coordinates[self.shard_axis]
+
+    @property
+    def replicate_axes(self) -> tuple[str, ...]:
+        return tuple(a for a in self.axis_names if a != self.shard_axis)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.shape}, shard_axis={self.shard_axis!r}, rank={self.rank})"
+
+    def describe(self) -> str:
+        return f"mesh {self.shape} (shard axis {self.shard_axis!r}) at rank {self.rank} of {self.world_size}"
+
+    # Collectives on flat contiguous tensors. Subclasses implement the three primitives.
+    def all_gather_flat(self, shard: torch.Tensor) -> torch.Tensor:
+        """[shard_numel] on every rank -> [num_shards * shard_numel], concatenated in shard order."""
+        raise NotImplementedError
+
+    def reduce_scatter_flat(self, full: torch.Tensor) -> torch.Tensor:
+        """[num_shards * n] -> [n]: sum over the shard axis, this rank keeps its slice."""
+        raise NotImplementedError
+
+    def all_reduce_flat(self, x: torch.Tensor, axes: tuple[str, ...] | None = None) -> torch.Tensor:
+        """Sum of `x` over the ranks along `axes` (default: every axis). No-op for no axes."""
+        raise NotImplementedError
+
+    def check_same(self, what: str, value: str) -> None:
+        """Raise `MeshError` on every rank unless every rank passes the same `value`.
+
+        `value` is hashed to 63 bits and all-gathered; the message names the ranks that differ."""
+        digest = int.from_bytes(hashlib.sha256(value.encode()).digest()[:8], "little") >> 1
+        mine = torch.tensor([digest], dtype=torch.int64)
+        everyone = self.all_gather_world(mine).tolist()
+        if len(set(everyone)) > 1:
+            groups: dict[int, list[int]] = {}
+            for rank, h in enumerate(everyone):
+                groups.setdefault(h, []).append(rank)
+            parts = "; ".join(f"ranks {ranks}" for ranks in groups.values())
+            raise MeshError(
+                f"ranks disagree on {what}: {parts} hold different values. Every rank of the "
+                f"{self.describe()} must pass the same structure, shapes and dtypes (this rank's: {value[:400]})"
+            )
+
+    def all_gather_world(self, x: torch.Tensor) -> torch.Tensor:
+        """[n] on every rank -> [world_size * n] in rank order (all axes)."""
+        raise NotImplementedError
+
+
+class Mesh(_MeshBase):
+    """A named mesh of ranks over `torch.distributed`, built on `DeviceMesh`. Make one with `init_mesh`.
+
+    Attributes:
+        axis_names / axis_sizes / shape: the mesh's axes.
+        rank / world_size: this process in the world.
+        shard_axis: the axis parameters are sharded over; the other axes replicate them.
+        device: where this rank's tensors live (`cpu`, or `cuda:<local rank>` with NCCL).
+        device_mesh: the underlying `torch.distributed.device_mesh.DeviceMesh`.
+    """
+
+    def __init__(self, device_mesh: DeviceMesh, *, shard_axis: str | None = None):
+        names = device_mesh.mesh_dim_names
+        assert names is not None, "the DeviceMesh must have named dimensions"
+        self.device_mesh = device_mesh
+        self.axis_names = tuple(names)
+        self.axis_sizes = tuple(device_mesh.mesh.shape)
+        self.shard_axis = _shard_axis_of(self.axis_names, shard_axis)
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.device = torch.device(device_mesh.device_type, torch.cuda.current_device()) if device_mesh.device_type == "cuda" else torch.device("cpu")
+        self._group_names = {a: device_mesh.get_group(a).group_name for a in self.axis_names}
+        self._world_group_name = dist.group.WORLD.group_name
+
+    def all_gather_flat(self, shard: torch.Tensor) -> torch.Tensor:
+        return _C10D.wait_tensor(
+            _C10D.all_gather_into_tensor(shard, self.num_shards, self._group_names[self.shard_axis])
+        )
+
+    def reduce_scatter_flat(self, full: torch.Tensor) -> torch.Tensor:
+        return _C10D.wait_tensor(
+            _C10D.reduce_scatter_tensor(full, "sum", self.num_shards, self._group_names[self.shard_axis])
+        )
+
+    def all_reduce_flat(self, x: torch.Tensor, axes: tuple[str, ...] | None = None) -> torch.Tensor:
+        axes = self.axis_names if axes is None else axes
+        if set(axes) == set(self.axis_names) and len(self.axis_names) > 1:
+            return _C10D.wait_tensor(_C10D.all_reduce(x, "sum", self._world_group_name))
+        for axis in axes:
+            x = _C10D.wait_tensor(_C10D.all_reduce(x, "sum", self._group_names[axis]))
+        return x
+
+    def all_gather_world(self, x: torch.Tensor) -> torch.Tensor:
+        return _C10D.wait_tensor(_C10D.all_gather_into_tensor(x, self.world_size, self._world_group_name))
+
+
+def init_mesh(
+    axes: dict[str, int],
+    *,
+    shard_axis: str | None = None,
+    backend: str | None = None,
+    timeout: float | datetime.timedelta | None = None,
+) -> Mesh:
+    """Join (or create) the default process group and name its ranks' axes.
+
+    Arguments:
+        axes: axis name -> size, in row-major order; their product must equal the world size.
+            `{"fsdp": N}` shards over all N ranks; `{"replicate": R, "fsdp": S}` shards over S
+            ranks and replicates over R (hybrid sharding).
+        shard_axis: the axis to shard over (default `"fsdp"`, else the last axis).
+        backend: `"nccl"` when CUDA is available, else `"gloo"` (default).
+        timeout: seconds (or a timedelta) a collective may wait for the other ranks before it
+            raises; a rank that dies thus never leaves the others hanging forever. Default 600 s.
+
+    Works under `torchrun` and `fs.launch` (both set `RANK`, `WORLD_SIZE`, `MASTER_ADDR`,
+    `MASTER_PORT`, `LOCAL_RANK`), and in a process whose default group already exists (then
+    `backend` and `timeout` are those of that group). A single process with none of these
+    variables becomes a world of one.
+    """
+    names, sizes = _check_axes(axes)
+    if isinstance(timeout, (int, float)):
+        timeout = datetime.timedelta(seconds=timeout)
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:
+            # A plain `python script.py`: a world of one, on a free local port.
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            os.environ.setdefault("RANK", "0")
+            os.environ.setdefault("WORLD_SIZE", "1")
+            os.environ.setdefault("LOCAL_RANK", "0")
+        world = int(os.environ["WORLD_SIZE"])
+        _check_product(names, sizes, world)
+        if backend is None:
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend, timeout=timeout or datetime.timedelta(seconds=600))
+    else:
+        _check_product(names, sizes, dist.get_world_size())
+    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    device_mesh = init_device_mesh(device_type, sizes, mesh_dim_names=names)
+    return Mesh(device_mesh, shard_axis=shard_axis)
+
+
+def _check_product(names, sizes, world: int) -> None:
+    product = 1
+    for s in sizes:
+        product *= s
+    if product != world:
+        raise ValueError(
+            f"mesh axes {dict(zip(names, sizes))} hold {product} ranks but the world has {world}: "
+            f"the product of the axis sizes must equal the world size"
+        )
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Rendezvous:
+    """Where the thread-ranks of a `SimulatedMesh` meet: one slot per rank and a barrier.
+
+    Every collective is a world-wide meeting (all ranks call the same collectives in the same
+    order, as SPMD programs must), so axis groups need no bookkeeping of their own."""
+
+    def __init__(self, world_size: int, timeout: float):
+        self.slots: list[torch.Tensor | None] = [None] * world_size
+        self.barrier = threading.Barrier(world_size, timeout=timeout)
+
+    def exchange(self, rank: int, x: torch.Tensor) -> list[torch.Tensor]:
+        self.slots[rank] = x
+        self.barrier.wait()
+        everyone = list(self.slots)  # type: ignore[arg-type]
+        self.barrier.wait()  # nobody overwrites a slot before all have read them
+        return everyone
+
+
+class SimulatedMesh(_MeshBase):
+    """A mesh whose ranks are threads of this process (for tests; see `fs.testing.SimulatedWorld`).
+
+    Sums run in rank order, so results are deterministic. A thread that fails breaks the
+    barrier, and the others raise `threading.BrokenBarrierError` instead of waiting."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, axes: dict[str, int], rank: int, rendezvous: _Rendezvous, *, shard_axis: str | None = None):
+        self.axis_names, self.axis_sizes = _check_axes(axes)
+        self.world_size = len(rendezvous.slots)
+        _check_product(self.axis_names, self.axis_sizes, self.world_size)
+        self.shard_axis = _shard_axis_of(self.axis_names, shard_axis)
+        self.rank = rank
+        self._rendezvous = rendezvous
+
+    def _group(self, axes: tuple[str, ...]) -> list[int]:
+        """Ranks that share this rank's coordinates on every axis not in `axes`, in rank order."""
+        mine = self.coordinates
+        members = []
+        for r in range(self.world_size):
+            other = _coordinates(self, r)
+            if all(other[a] == mine[a] for a in self.axis_names if a not in axes):
+                members.append(r)
+        return members
+
+    def _exchange(self, x: torch.Tensor, axes: tuple[str, ...]) -> list[torch.Tensor]:
+        everyone = self._rendezvous.exchange(self.rank, x)
+        return [everyone[r] for r in self._group(axes)]
+
+    def all_gather_flat(self, shard: torch.Tensor) -> torch.Tensor:
+        return torch.cat(self._exchange(shard, (self.shard_axis,)))
+
+    def reduce_scatter_flat(self, full: torch.Tensor) -> torch.Tensor:
+        total = _ordered_sum(self._exchange(full, (self.shard_axis,)))
+        return total.chunk(self.num_shards)[self.shard_index].clone()
+
+    def all_reduce_flat(self, x: torch.Tensor, axes: tuple[str, ...] | None = None) -> torch.Tensor:
+        axes = self.axis_names if axes is None else axes
+        return _ordered_sum(self._exchange(x, tuple(axes)))
+
+    def all_gather_world(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat(self._rendezvous.exchange(self.rank, x))
+
+
+def _coordinates(mesh: _MeshBase, rank: int) -> dict[str, int]:
+    """`rank`'s index along every axis of `mesh` (row-major, the last axis varies fastest)."""
+    out, rest = {}, rank
+    for name, size in reversed(list(zip(mesh.axis_names, mesh.axis_sizes))):
+        out[name] = rest % size
+        rest //= size
+    return {name: out[name] for name in mesh.axis_names}
+
+
+def _ordered_sum(tensors: list[torch.Tensor]) -> torch.Tensor:
+    total = tensors[0].clone()
+    for t in tensors[1:]:
+        total = total + t
+    return total

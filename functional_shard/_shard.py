@@ -1,0 +1,189 @@
+"""The sharding transforms on pytrees: `shard`, `gather`, `reduce_scatter`, `all_reduce`.
+
+    gather(shard(tree, mesh)) == tree                      (bit-exact, every rank)
+    reduce_scatter(tree, mesh) == shard(all_reduce(tree, mesh), mesh)
+    sum_ranks <gather(s), y> == sum_ranks <s, reduce_scatter(y)>     (adjoint, 1-D meshes)
+
+`gather` and `reduce_scatter` are differentiable and each is the other's gradient, so
+`torch.func.grad(lambda s: loss(gather(s)))(shard(params))` is this rank's slice of the
+gradient summed over ranks: the reduce-scattered gradient of FSDP.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import optree
+import torch
+import torch.utils._pytree as torch_pytree
+
+from ._collectives import AllReduceFlat, GatherFlat, ReduceScatterFlat, gather_bytes
+from ._layout import Layout, LayoutError, UnitPolicy, make_layout
+from ._mesh import _MeshBase
+from ._tree import NAMESPACE, flatten
+
+__all__ = ["Sharded", "shard", "gather", "reduce_scatter", "all_reduce"]
+
+
+class Sharded:
+    """This rank's part of a sharded pytree (made by `fs.shard` or `fs.reduce_scatter`).
+
+    Attributes:
+        layout: where each leaf lives (`Layout`); identical on every rank.
+        mesh: the mesh it is sharded over.
+        shards: one 1-D tensor `[spec.shard_numel]` per flat buffer (`layout.buffers`), this
+            rank's slice.
+        local: the leaves kept whole on every rank (module buffers), in layout order.
+
+    A pytree node (optree and torch): its leaves are `shards` then `local`; layout and mesh are
+    static, so `torch.func.grad` of a function of a `Sharded` returns a `Sharded` of gradients.
+    """
+
+    __slots__ = ("layout", "mesh", "shards", "local")
+
+    def __init__(self, layout: Layout, mesh: _MeshBase, shards, local=()):
+        self.layout = layout
+        self.mesh = mesh
+        self.shards = tuple(shards)
+        self.local = tuple(local)
+
+    def __repr__(self) -> str:
+        units = ", ".join(f"{b.name}: {str(b.dtype).removeprefix('torch.')}[{b.shard_numel}]" for b in self.layout.buffers)
+        return f"Sharded({units}; {len(self.local)} local leaves; {self.mesh!r})"
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """Buffer name -> this rank's shard."""
+        return {spec.name: s for spec, s in zip(self.layout.buffers, self.shards)}
+
+    def replace(self, shards=None, local=None) -> "Sharded":
+        return Sharded(
+            self.layout, self.mesh, self.shards if shards is None else shards, self.local if local is None else local
+        )
+
+
+def _flatten_sharded(s: Sharded):
+    return [*s.shards, *s.local], (s.layout, s.mesh, len(s.shards))
+
+
+def _unflatten_sharded(aux, children) -> Sharded:
+    layout, mesh, n = aux
+    children = list(children)
+    return Sharded(layout, mesh, children[:n], children[n:])
+
+
+optree.register_pytree_node(
+    Sharded,
+    lambda s: (*_flatten_sharded(s), [*(b.name for b in s.layout.buffers), *(s.layout.paths[i] for i in s.layout.local)]),
+    _unflatten_sharded,
+    namespace=NAMESPACE,
+)
+torch_pytree.register_pytree_node(
+    Sharded,
+    _flatten_sharded,
+    lambda children, aux: _unflatten_sharded(aux, children),
+    serialized_type_name="functional_shard.Sharded",
+)
+
+
+def shard(tree: Any, mesh: _MeshBase, *, units: UnitPolicy | None = None) -> Sharded:
+    """Cut a pytree into flat per-unit buffers and keep this rank's slice of each.
+
+    Arguments:
+        tree: a pytree of tensors, the same (values, shapes, dtypes) on every rank. A
+            `ModuleParams` in it keeps its buffers whole (each rank its own) and marks frozen
+            parameters.
+        mesh: the mesh; slices are taken along its shard axis.
+        units: `path -> unit name` (default: one unit per repeated block, see `units_by_block`).
+
+    Returns a `Sharded`; `gather` of it gives `tree` back exactly.
+    """
+    layout, leaves = make_layout(tree, mesh.num_shards, units=units)
+    shards = [layout.shard_of(layout.flatten_buffer(spec, leaves), spec, mesh.shard_index) for spec in layout.buffers]
+    return Sharded(layout, mesh, shards, [leaves[i] for i in layout.local])
+
+
+def gather(sharded: Sharded) -> Any:
+    """All-gather every buffer of a `Sharded` and rebuild the full pytree, on every rank.
+
+    Differentiable in the shards of floating dtype: the gradient is `reduce_scatter` of the
+    cotangent (summed over ranks). Leaves of other dtypes are moved bit for bit.
+
+    Arguments:
+        sharded: made by `shard` or `reduce_scatter` (or a `torch.func` transform of one).
+    """
+    if not isinstance(sharded, Sharded):
+        raise TypeError(f"gather expects a Sharded (made by fs.shard); got {type(sharded).__name__}")
+    layout, mesh = sharded.layout, sharded.mesh
+    _check_shards(sharded)
+    leaves: dict[int, torch.Tensor] = {}
+    for spec, s in zip(layout.buffers, sharded.shards):
+        if spec.dtype.is_floating_point:
+            full = GatherFlat.apply(s.contiguous(), mesh)
+        else:
+            full = gather_bytes(s.contiguous(), mesh)
+        leaves.update(zip(spec.leaves, layout.unflatten_buffer(spec, full)))
+    return layout.assemble(leaves, sharded.local)
+
+
+def reduce_scatter(tree: Any, mesh: _MeshBase, *, units: UnitPolicy | None = None) -> Sharded:
+    """Sum a pytree over every rank of the mesh; each rank keeps its slice of each flat buffer.
+
+    Differentiable: the gradient is `gather` of the cotangent. Leaves a `ModuleParams` marks as
+    buffers are not sliced: each rank gets the whole sum.
+
+    Arguments:
+        tree: a pytree of tensors with the same structure, shapes and dtypes on every rank
+            (values may differ). Bool leaves are refused: a sum of bools is not a bool.
+        mesh: the mesh.
+        units: as for `shard`; the same policy gives the same layout as `shard`.
+    """
+    layout, leaves = make_layout(tree, mesh.num_shards, units=units)
+    shards = []
+    for spec in layout.buffers:
+        if spec.dtype == torch.bool or spec.dtype in (torch.int16, torch.uint16, torch.uint32, torch.uint64):
+            culprit = layout.describe_leaf(spec.leaves[0])
+            raise LayoutError(f"reduce_scatter cannot sum {culprit}: the backend has no sum for {spec.dtype}")
+        shards.append(ReduceScatterFlat.apply(layout.flatten_buffer(spec, leaves), mesh))
+    local = [_all_reduce_leaf(leaves[i], mesh) for i in layout.local]
+    return Sharded(layout, mesh, shards, local)
+
+
+def all_reduce(tree: Any, mesh: _MeshBase, *, axes: tuple[str, ...] | None = None) -> Any:
+    """Sum every leaf of a pytree over the ranks along `axes` (default: all), on every rank.
+
+    Differentiable; the gradient is the same sum of the cotangent (self-adjoint).
+    One collective per dtype: leaves of a dtype travel together in one flat buffer.
+    """
+    leaves, treedef = flatten(tree)
+    out: list[Any] = list(leaves)
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, leaf in enumerate(leaves):
+        if not isinstance(leaf, torch.Tensor):
+            raise LayoutError(f"all_reduce: leaf {i} is a {type(leaf).__name__}, not a tensor")
+        by_dtype.setdefault(leaf.dtype, []).append(i)
+    for dtype, members in by_dtype.items():
+        if dtype == torch.bool:
+            raise LayoutError(f"all_reduce cannot sum bool leaves (leaf {members[0]}); cast them first")
+        sizes = [leaves[i].numel() for i in members]
+        flat = torch.cat([leaves[i].reshape(-1) for i in members] + [leaves[members[0]].new_zeros(1)])
+        summed = AllReduceFlat.apply(flat, mesh, axes)
+        for i, piece in zip(members, torch.split(summed, sizes + [1])):
+            out[i] = piece.view(leaves[i].shape)
+    return optree.tree_unflatten(treedef, out)
+
+
+def _all_reduce_leaf(leaf: torch.Tensor, mesh: _MeshBase) -> torch.Tensor:
+    return all_reduce([leaf], mesh)[0]
+
+
+def _check_shards(sharded: Sharded) -> None:
+    layout = sharded.layout
+    if len(sharded.shards) != len(layout.buffers):
+        raise LayoutError(f"Sharded holds {len(sharded.shards)} shards but its layout has {len(layout.buffers)} buffers")
+    for spec, s in zip(layout.buffers, sharded.shards):
+        if not isinstance(s, torch.Tensor) or tuple(s.shape) != (spec.shard_numel,) or s.dtype != spec.dtype:
+            got = f"{type(s).__name__}" if not isinstance(s, torch.Tensor) else f"shape {list(s.shape)} {s.dtype}"
+            raise LayoutError(
+                f"shard of buffer {spec.name!r} (leaves {[layout.paths[i] for i in spec.leaves][:4]}...) must be "
+                f"[{spec.shard_numel}] {spec.dtype} on {sharded.mesh.describe()}; got {got}"
+            )

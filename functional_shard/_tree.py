@@ -1,0 +1,204 @@
+"""Pytree helpers: leaf paths, leaf roles, and `ModuleParams`, the pytree a module becomes.
+
+Every pytree utility of the library goes through optree. `ModuleParams` is also registered
+with `torch.utils._pytree` so that `torch.func` transforms and `make_fx` accept it directly.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Mapping
+from typing import Any, Callable
+
+import optree
+import torch
+import torch.utils._pytree as torch_pytree
+
+# optree registrations of this library live in their own namespace; every optree call here
+# passes it, so `ModuleParams` flattens by name.
+NAMESPACE = "functional_shard"
+
+__all__ = ["ModuleParams", "TRAINABLE", "FROZEN", "BUFFER", "leaf_path_strings", "leaf_roles", "flatten"]
+
+# The three roles a leaf can play in a sharded step.
+TRAINABLE = "trainable"  # sharded, gathered, differentiated, updated by the optimizer
+FROZEN = "frozen"  # sharded and gathered, but no gradient, no reduce-scatter, no optimizer state
+BUFFER = "buffer"  # not sharded: each rank keeps and updates its own copy (as FSDP does)
+
+
+class ModuleParams(Mapping):
+    """The parameters and buffers of an `nn.Module`, as a pytree (made by `fs.functionalize`).
+
+    Arguments:
+        trainable: name -> tensor, parameters with `requires_grad=True` (tied parameters once,
+            under their first name).
+        frozen: name -> tensor, parameters with `requires_grad=False`: sharded and gathered like
+            the others but never differentiated and given no optimizer state.
+        buffers: name -> tensor, module buffers (e.g. BatchNorm running statistics). Never
+            sharded: each rank keeps and updates its own, as in FSDP.
+        aliases: `(alias, name)` pairs: a second name under which the module's state dict holds
+            the same tensor (tied weights); used by `fs.export`.
+        non_persistent: names of buffers that the module's state dict leaves out.
+
+    It reads like one mapping from every name (trainable, frozen and buffer) to its tensor.
+    As a pytree its leaves are the trainable, then frozen, then buffer tensors, each keyed by
+    its name; names, roles and aliases are static structure.
+    """
+
+    __slots__ = ("trainable", "frozen", "buffers", "aliases", "non_persistent")
+
+    def __init__(
+        self,
+        trainable: Mapping[str, Any],
+        frozen: Mapping[str, Any] | None = None,
+        buffers: Mapping[str, Any] | None = None,
+        *,
+        aliases: tuple[tuple[str, str], ...] = (),
+        non_persistent: tuple[str, ...] = (),
+    ):
+        self.trainable = dict(trainable)
+        self.frozen = dict(frozen or {})
+        self.buffers = dict(buffers or {})
+        self.aliases = tuple(aliases)
+        self.non_persistent = tuple(non_persistent)
+        seen: set[str] = set()
+        for name in (*self.trainable, *self.frozen, *self.buffers):
+            if name in seen:
+                raise ValueError(f"ModuleParams: name {name!r} appears in more than one role")
+            seen.add(name)
+
+    def __getitem__(self, name: str) -> Any:
+        for part in (self.trainable, self.frozen, self.buffers):
+            if name in part:
+                return part[name]
+        raise KeyError(name)
+
+    def __iter__(self) -> Iterator[str]:
+        yield from self.trainable
+        yield from self.frozen
+        yield from self.buffers
+
+    def __len__(self) -> int:
+        return len(self.trainable) + len(self.frozen) + len(self.buffers)
+
+    def __repr__(self) -> str:
+        def describe(part: dict) -> str:
+            return "{" + ", ".join(f"{k}: {_describe(v)}" for k, v in part.items()) + "}"
+
+        return (
+            f"ModuleParams(trainable={describe(self.trainable)}, frozen={describe(self.frozen)}, "
+            f"buffers={describe(self.buffers)})"
+        )
+
+    def _structure(self) -> tuple:
+        return (tuple(self.trainable), tuple(self.frozen), tuple(self.buffers), self.aliases, self.non_persistent)
+
+    def _children(self) -> list:
+        return [*self.trainable.values(), *self.frozen.values(), *self.buffers.values()]
+
+    @classmethod
+    def _rebuild(cls, structure: tuple, children) -> "ModuleParams":
+        trainable_names, frozen_names, buffer_names, aliases, non_persistent = structure
+        children = list(children)
+        a, b = len(trainable_names), len(trainable_names) + len(frozen_names)
+        return cls(
+            dict(zip(trainable_names, children[:a])),
+            dict(zip(frozen_names, children[a:b])),
+            dict(zip(buffer_names, children[b:])),
+            aliases=aliases,
+            non_persistent=non_persistent,
+        )
+
+    def roles(self) -> "ModuleParams":
+        """The same structure with each leaf replaced by its role string."""
+        return ModuleParams(
+            {k: TRAINABLE for k in self.trainable},
+            {k: FROZEN for k in self.frozen},
+            {k: BUFFER for k in self.buffers},
+            aliases=self.aliases,
+            non_persistent=self.non_persistent,
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """name -> tensor as `nn.Module.state_dict()` lays it out (aliases included,
+        non-persistent buffers left out)."""
+        out = {k: v for k, v in self.items() if k not in self.non_persistent}
+        for alias, name in self.aliases:
+            if name not in self.non_persistent:
+                out[alias] = self[name]
+        return out
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{str(value.dtype).removeprefix('torch.')}{list(value.shape)}"
+    return repr(value)
+
+
+optree.register_pytree_node(
+    ModuleParams,
+    lambda p: (p._children(), p._structure(), [*p.trainable, *p.frozen, *p.buffers]),
+    ModuleParams._rebuild,
+    namespace=NAMESPACE,
+)
+torch_pytree.register_pytree_node(
+    ModuleParams,
+    lambda p: (p._children(), p._structure()),
+    lambda children, structure: ModuleParams._rebuild(structure, children),
+    serialized_type_name="functional_shard.ModuleParams",
+    flatten_with_keys_fn=lambda p: (
+        [(torch_pytree.MappingKey(k), v) for k, v in zip(p, p._children())],
+        p._structure(),
+    ),
+)
+
+
+def flatten(tree: Any) -> tuple[list[Any], optree.PyTreeSpec]:
+    """Leaves and structure of `tree`; `None` is an empty subtree, as in JAX."""
+    return optree.tree_flatten(tree, none_is_leaf=False, namespace=NAMESPACE)
+
+
+def leaf_path_strings(tree: Any) -> list[str]:
+    """A readable path per leaf, in flatten order: `blocks.0.attn.weight`, `a[0].b`, ..."""
+    paths, _, _ = optree.tree_flatten_with_path(tree, none_is_leaf=False, namespace=NAMESPACE)
+    return [path_string(p) for p in paths]
+
+
+def path_string(path: tuple) -> str:
+    out = ""
+    for entry in path:
+        if isinstance(entry, int):
+            out += f"[{entry}]"
+        else:
+            out += f".{entry}" if out else str(entry)
+    return out or "<root>"
+
+
+def leaf_roles(tree: Any) -> list[str]:
+    """The role of every leaf of `tree` (flatten order): leaves inside a `ModuleParams` take the
+    role it gives them; every other leaf is trainable."""
+    is_module_params: Callable[[Any], bool] = lambda x: isinstance(x, ModuleParams)
+    role_tree = optree.tree_map(
+        lambda x: x.roles() if isinstance(x, ModuleParams) else TRAINABLE,
+        tree,
+        is_leaf=is_module_params,
+        none_is_leaf=False,
+        namespace=NAMESPACE,
+    )
+    roles, _ = flatten(role_tree)
+    return roles
+
+
+_BLOCK_INDEX = re.compile(r"^(.*?(?:\[\d+\]|(?:^|\.)\d+(?=[.\[]|$)))")
+
+
+def units_by_block(path: str) -> str:
+    """The default unit policy: one unit per element of a repeated block container.
+
+    A leaf belongs to the unit named by its path up to the first integer index, whether it is a
+    sequence index (`layers[3].w` -> `layers[3]`) or a numbered module name as `nn.ModuleList`
+    and `nn.Sequential` make them (`blocks.3.attn.weight` -> `blocks.3`, `0.weight` -> `0`).
+    Leaves with no index (embeddings, final norm, head) share the unit `rest`.
+    """
+    match = _BLOCK_INDEX.match(path)
+    return match.group(1) if match else "rest"
