@@ -153,8 +153,11 @@ class _Ranks:
                     if first_failure is None:
                         first_failure = time.monotonic()
         if failures:
-            real = [r for r, (_, tb) in failures.items() if tb] or sorted(failures)
-            first = min(real, key=lambda r: (not failures[r][1], r))
+            # The first rank to report an error of its own is the cause; the others' errors
+            # (a broken connection, a collective timeout, being stopped) are consequences.
+            # Dict order is arrival order.
+            real = [r for r, (_, tb) in failures.items() if tb] or list(failures)
+            first = real[0]
             summary, remote_traceback = failures[first]
             raise RankError(first, summary, remote_traceback, {r: s for r, (s, _) in failures.items()})
         return [results[r] for r in range(self.world_size)]

@@ -191,7 +191,22 @@ class ShardedStep:
             )
         _check_shards(state.params)
 
-    def _eager_step(self, state: StepState, batch: Any) -> tuple[StepState, dict[str, Any]]:
+    def grad(self, state: StepState, batch: Any) -> tuple[Sharded, dict[str, Any]]:
+        """The gradient this step would apply, without applying it: `(grads, metrics)`.
+
+        grads: a `Sharded` with the layout of `state.params`: this rank's shard of the mean
+        over ranks of the loss gradient. Frozen parameters and module buffers, which get no
+        gradient, hold zeros. `fs.gather(grads)` is the full gradient pytree on every rank.
+        A collective, like the step. `state` is not modified.
+        """
+        self._check_state(state)
+        grads, metrics, _ = self._gradients(state, batch)
+        sharded = state.params
+        shards = [grads.get(spec.name, torch.zeros_like(s)) for spec, s in zip(sharded.layout.buffers, sharded.shards)]
+        return sharded.replace(shards=shards, local=[torch.zeros_like(t) for t in sharded.local]), metrics
+
+    def _gradients(self, state: StepState, batch: Any):
+        """Eager reference: (mean gradient per trainable buffer name, metrics, updated local leaves)."""
         mesh, sharded = self.mesh, state.params
         layout = sharded.layout
         trainable_positions = [k for k, spec in enumerate(layout.buffers) if spec.trainable]
@@ -216,14 +231,18 @@ class ShardedStep:
         grads, (loss, *aux) = torch.func.grad(local_loss, has_aux=True)(trainable_shards, local)
         names = [layout.buffers[k].name for k in trainable_positions]
         grads = {name: g / mesh.world_size for name, g in zip(names, grads)}
-        new_trainable, opt_state = self.optimizer.update(grads, state.opt_state, dict(zip(names, trainable_shards)))
-        shards = list(sharded.shards)
-        for k, name in zip(trainable_positions, names):
-            shards[k] = new_trainable[name]
         mean_loss = mesh.all_reduce_flat(loss.reshape(1).float()) / mesh.world_size
         metrics: dict[str, Any] = {"loss": mean_loss.reshape(()), "local_loss": loss}
         if self.has_aux:
             metrics["aux"] = aux[0]
+        return grads, metrics, local
+
+    def _eager_step(self, state: StepState, batch: Any) -> tuple[StepState, dict[str, Any]]:
+        sharded = state.params
+        grads, metrics, local = self._gradients(state, batch)
+        trainable = _trainable(sharded)
+        new_trainable, opt_state = self.optimizer.update(grads, state.opt_state, trainable)
+        shards = [new_trainable.get(spec.name, s) for spec, s in zip(sharded.layout.buffers, sharded.shards)]
         new_state = StepState(sharded.replace(shards=shards, local=local), opt_state, state.step + 1, self._key)
         return new_state, metrics
 
