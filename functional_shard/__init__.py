@@ -25,12 +25,14 @@ from ._shard import all_reduce as all_reduce
 from ._shard import gather as gather
 from ._shard import reduce_scatter as reduce_scatter
 from ._shard import shard as shard
-from ._step import Schedule as Schedule
 from ._step import ShardedStep as ShardedStep
 from ._step import StepError as StepError
 from ._step import StepState as StepState
 from ._step import sharded_step as sharded_step
+from ._trace import TraceError as TraceError
 from ._tree import ModuleParams as ModuleParams
+from . import schedule as schedule
+from .schedule import Schedule as Schedule
 from ._tree import units_by_block as units_by_block
 
 __version__ = "0.1.0"
@@ -49,6 +51,7 @@ __all__ = [
     "SimulatedMesh",
     "StepError",
     "StepState",
+    "TraceError",
     "all_reduce",
     "export",
     "functionalize",
@@ -57,6 +60,7 @@ __all__ = [
     "launch",
     "optim",
     "reduce_scatter",
+    "schedule",
     "shard",
     "sharded_step",
     "testing",

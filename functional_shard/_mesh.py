@@ -115,6 +115,32 @@ class _MeshBase:
                 f"{self.describe()} must pass the same structure, shapes and dtypes (this rank's: {value[:400]})"
             )
 
+    def check_same_sequence(self, what: str, items: list[str]) -> None:
+        """Raise `MeshError` on every rank unless every rank passes the same list of items; the
+        message names the first position where they differ and what each rank has there."""
+        try:
+            self.check_same(what, "\n".join(items))
+            return
+        except MeshError:
+            pass
+        # They differ: exchange the lists themselves to say where.
+        data = torch.tensor(list("\n".join(items).encode()), dtype=torch.uint8)
+        lengths = self.all_gather_world(torch.tensor([data.numel()], dtype=torch.int64)).tolist()
+        padded = torch.zeros(max(lengths) or 1, dtype=torch.uint8)
+        padded[: data.numel()] = data
+        everyone = self.all_gather_world(padded).view(self.world_size, -1)
+        lists = [bytes(everyone[r, : lengths[r]].tolist()).decode().split("\n") for r in range(self.world_size)]
+        index = next(
+            i
+            for i in range(max(len(x) for x in lists) + 1)
+            if len({x[i] if i < len(x) else "<nothing>" for x in lists}) > 1
+        )
+        per_rank = "; ".join(f"rank {r}: {x[index] if index < len(x) else '<nothing>'}" for r, x in enumerate(lists))
+        raise MeshError(
+            f"ranks disagree on {what}: the first difference is at position {index}: {per_rank}. Every rank must "
+            f"run the same collectives in the same order (does the model's structure depend on the rank?)"
+        )
+
     def all_gather_world(self, x: torch.Tensor) -> torch.Tensor:
         """[n] on every rank -> [world_size * n] in rank order (all axes)."""
         raise NotImplementedError

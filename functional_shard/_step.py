@@ -1,6 +1,6 @@
 """`sharded_step`: one FSDP training step as a function `(state, batch) -> (state, metrics)`.
 
-The reference semantics (eager, `Schedule(trace=False)`), for this rank's trainable shards `s`:
+The reference semantics, for this rank's trainable shards `s`:
 
     loss_r, grads = grad(lambda s: loss_fn(gather(s), batch_r))(s)   # grads = sum_r grad_r, sharded
     grads = grads / world_size                                       # mean over ranks, as DDP/FSDP
@@ -8,11 +8,14 @@ The reference semantics (eager, `Schedule(trace=False)`), for this rank's traina
 
 Frozen parameters are gathered without a gradient; module buffers are this rank's own and are
 updated by the forward pass on fresh copies. The caller's state is never mutated.
+
+`Schedule(trace=False)` runs that composition eagerly. The default traces the same function
+once per input signature (`_trace.py`), moves its collectives (`schedule.py`) and replays the
+graph: a rearrangement of the same operations, hence the same bits.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from typing import Any, Callable
 
@@ -20,37 +23,21 @@ import optree
 import torch
 import torch.utils._pytree as torch_pytree
 
-from ._collectives import GatherFlat, gather_bytes
-from ._layout import Layout, LayoutError, UnitPolicy, make_layout
+from . import _trace
+from . import schedule as schedule_lib
+from ._collectives import GatherFlat, TraceTag, gather_bytes
+from ._layout import Layout, UnitPolicy, make_layout
 from ._mesh import _MeshBase
 from ._shard import Sharded, _check_shards, shard
-from ._tree import NAMESPACE
+from ._tree import NAMESPACE, flatten
 from .optim import Optimizer
+from .schedule import Schedule
 
-__all__ = ["Schedule", "StepState", "ShardedStep", "sharded_step", "StepError"]
+__all__ = ["StepState", "ShardedStep", "sharded_step", "StepError"]
 
 
 class StepError(ValueError):
     """A step was given a state or a loss it cannot use."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Schedule:
-    """How `sharded_step` runs the step.
-
-    Attributes:
-        trace: False runs the eager reference: gather every unit, differentiate `loss ∘ gather`,
-            reduce-scatter, update. (Traced, per-unit scheduled steps build on this reference.)
-    """
-
-    trace: bool = False
-
-    def __post_init__(self) -> None:
-        if self.trace:
-            raise NotImplementedError(
-                "Schedule(trace=True) (the traced, per-unit scheduled step) is not available yet; "
-                "use fs.Schedule(trace=False), the eager reference"
-            )
 
 
 class _StepKey:
@@ -139,6 +126,8 @@ class ShardedStep:
         self.has_aux = has_aux
         name = getattr(loss_fn, "__qualname__", type(loss_fn).__name__)
         self._key = _StepKey(f"#{next(_step_numbers)} of {name} on {mesh!r}")
+        self._cache: dict[tuple, _trace.CompiledStep] = {}
+        self._last: _trace.CompiledStep | None = None
 
     def __repr__(self) -> str:
         return f"ShardedStep({self._key.description}, {self.schedule})"
@@ -170,10 +159,33 @@ class ShardedStep:
 
         metrics: `loss`, the mean over ranks of the local losses (0-d tensor, every rank);
         `local_loss`, this rank's; `aux`, what `loss_fn` returned besides the loss (with
-        `has_aux=True`). `state` is never modified, whether the step succeeds or raises.
+        `has_aux=True`); `all_gather_bytes` / `reduce_scatter_bytes`, bytes of the full
+        buffers the step's collectives moved. `state` is never modified, whether the step
+        succeeds or raises.
         """
         self._check_state(state)
-        return self._eager_step(state, batch)
+        sharded = state.params
+        scalars = self.optimizer.scalars(state.opt_state)
+        if not self.schedule.trace:
+            shards, local, opt_state, mean_loss, loss, aux = self._update(
+                sharded.layout, sharded.shards, sharded.local, state.opt_state, scalars, batch
+            )
+            metrics = self._metrics(mean_loss, loss, aux, *_eager_bytes(sharded.layout))
+        else:
+            shards, local, opt_state, metrics = self._traced_update(state, scalars, batch)
+        new_state = StepState(sharded.replace(shards=shards, local=local), opt_state, state.step + 1, self._key)
+        return new_state, metrics
+
+    def _metrics(self, mean_loss, loss, aux, all_gather_bytes: int, reduce_scatter_bytes: int) -> dict[str, Any]:
+        metrics: dict[str, Any] = {
+            "loss": mean_loss,
+            "local_loss": loss,
+            "all_gather_bytes": all_gather_bytes,
+            "reduce_scatter_bytes": reduce_scatter_bytes,
+        }
+        if self.has_aux:
+            metrics["aux"] = aux
+        return metrics
 
     def _check_state(self, state: StepState) -> None:
         if not isinstance(state, StepState):
@@ -192,7 +204,7 @@ class ShardedStep:
         _check_shards(state.params)
 
     def grad(self, state: StepState, batch: Any) -> tuple[Sharded, dict[str, Any]]:
-        """The gradient this step would apply, without applying it: `(grads, metrics)`.
+        """The gradient this step would apply, without applying it: `(grads, metrics)`, eagerly.
 
         grads: a `Sharded` with the layout of `state.params`: this rank's shard of the mean
         over ranks of the loss gradient. Frozen parameters and module buffers, which get no
@@ -200,51 +212,172 @@ class ShardedStep:
         A collective, like the step. `state` is not modified.
         """
         self._check_state(state)
-        grads, metrics, _ = self._gradients(state, batch)
         sharded = state.params
+        grads, _, loss, aux = self._gradients(sharded.layout, sharded.shards, sharded.local, batch)
+        mean_loss = self._mean_loss(loss)
         shards = [grads.get(spec.name, torch.zeros_like(s)) for spec, s in zip(sharded.layout.buffers, sharded.shards)]
-        return sharded.replace(shards=shards, local=[torch.zeros_like(t) for t in sharded.local]), metrics
+        grads_sharded = sharded.replace(shards=shards, local=[torch.zeros_like(t) for t in sharded.local])
+        return grads_sharded, self._metrics(mean_loss, loss, aux, *_eager_bytes(sharded.layout))
 
-    def _gradients(self, state: StepState, batch: Any):
-        """Eager reference: (mean gradient per trainable buffer name, metrics, updated local leaves)."""
-        mesh, sharded = self.mesh, state.params
-        layout = sharded.layout
+    # --- the computation (eager, and traced as it is) ---------------------------------------
+
+    def _gradients(self, layout: Layout, shards, local, batch, log: list | None = None):
+        """(mean gradient per trainable buffer name, updated local leaves, local loss, aux)."""
+        mesh = self.mesh
+
+        def tag(spec):
+            return None if log is None else TraceTag(spec, log)
+
         trainable_positions = [k for k, spec in enumerate(layout.buffers) if spec.trainable]
         frozen_leaves: dict[int, torch.Tensor] = {}
-        for spec, s in zip(layout.buffers, sharded.shards):
+        for spec, s in zip(layout.buffers, shards):
             if not spec.trainable:
-                frozen_leaves.update(zip(spec.leaves, layout.unflatten_buffer(spec, gather_bytes(s, mesh))))
+                frozen_leaves.update(zip(spec.leaves, layout.unflatten_buffer(spec, gather_bytes(s, mesh, tag(spec)))))
         # Fresh copies: the forward pass updates module buffers (BatchNorm statistics) in place.
-        local = tuple(t.clone() for t in sharded.local)
+        local = tuple(t.clone() for t in local)
 
         def local_loss(trainable_shards: tuple[torch.Tensor, ...], local: tuple[torch.Tensor, ...]):
             leaves = dict(frozen_leaves)
             for k, s in zip(trainable_positions, trainable_shards):
                 spec = layout.buffers[k]
-                leaves.update(zip(spec.leaves, layout.unflatten_buffer(spec, GatherFlat.apply(s, mesh))))
+                leaves.update(zip(spec.leaves, layout.unflatten_buffer(spec, GatherFlat.apply(s, mesh, tag(spec)))))
             out = self.loss_fn(layout.assemble(leaves, local), batch)
             loss, aux = _split_loss(out, self.has_aux, mesh)
             # torch.func.grad's aux must hold tensors only: no None when there is no aux.
             return loss, ((loss.detach(), aux) if self.has_aux else (loss.detach(),))
 
-        trainable_shards = tuple(sharded.shards[k] for k in trainable_positions)
+        trainable_shards = tuple(shards[k] for k in trainable_positions)
         grads, (loss, *aux) = torch.func.grad(local_loss, has_aux=True)(trainable_shards, local)
         names = [layout.buffers[k].name for k in trainable_positions]
         grads = {name: g / mesh.world_size for name, g in zip(names, grads)}
-        mean_loss = mesh.all_reduce_flat(loss.reshape(1).float()) / mesh.world_size
-        metrics: dict[str, Any] = {"loss": mean_loss.reshape(()), "local_loss": loss}
-        if self.has_aux:
-            metrics["aux"] = aux[0]
-        return grads, metrics, local
+        return grads, local, loss, (aux[0] if self.has_aux else None)
 
-    def _eager_step(self, state: StepState, batch: Any) -> tuple[StepState, dict[str, Any]]:
+    def _mean_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return (self.mesh.all_reduce_flat(loss.reshape(1).float()) / self.mesh.world_size).reshape(())
+
+    def _update(self, layout: Layout, shards, local, opt_state, scalars, batch, log: list | None = None):
+        """One step: (new shards (all), new local leaves, new optimizer state, mean loss, local loss, aux)."""
+        grads, local, loss, aux = self._gradients(layout, shards, local, batch, log)
+        trainable = {spec.name: s for spec, s in zip(layout.buffers, shards) if spec.trainable}
+        new_trainable, opt_state = self.optimizer.apply(grads, opt_state, trainable, scalars)
+        new_shards = [new_trainable.get(spec.name, s) for spec, s in zip(layout.buffers, shards)]
+        return new_shards, local, opt_state, self._mean_loss(loss), loss, aux
+
+    # --- the jit ------------------------------------------------------------------------------
+
+    @property
+    def cache(self) -> dict:
+        """Traced steps by input signature (`CompiledStep`s: graph, schedule, bytes)."""
+        return dict(self._cache)
+
+    @property
+    def schedule_events(self) -> list:
+        """The schedule of the most recently run traced step, as `fs.schedule.ScheduleEvent`s."""
+        if self._last is None:
+            raise StepError("no traced step has run yet: call the step once (schedule.trace must be True)")
+        return list(self._last.events)
+
+    def explain(self) -> str:
+        """The schedule of the most recently run traced step, as a readable table."""
+        if self._last is None:
+            raise StepError("no traced step has run yet: call the step once (schedule.trace must be True)")
+        return self._last.explain()
+
+    def _traced_update(self, state: StepState, scalars: dict, batch: Any):
         sharded = state.params
-        grads, metrics, local = self._gradients(state, batch)
-        trainable = _trainable(sharded)
-        new_trainable, opt_state = self.optimizer.update(grads, state.opt_state, trainable)
-        shards = [new_trainable.get(spec.name, s) for spec, s in zip(sharded.layout.buffers, sharded.shards)]
-        new_state = StepState(sharded.replace(shards=shards, local=local), opt_state, state.step + 1, self._key)
-        return new_state, metrics
+        layout = sharded.layout
+        opt_leaves, opt_spec = flatten(state.opt_state)
+        batch_leaves, batch_spec, tensor_positions = _trace.flatten_batch(batch)
+        scalar_names = tuple(scalars)
+        state_key = (
+            id(layout),
+            opt_spec,
+            tuple((tuple(t.shape), t.dtype) for t in opt_leaves),
+            scalar_names,
+        )
+        signature = _trace.signature_of(batch_leaves, batch_spec, state_key)
+        compiled = self._cache.get(signature)
+        batch_tensors = [batch_leaves[i] for i in tensor_positions]
+        inputs = [*sharded.shards, *sharded.local, *opt_leaves, *scalars.values(), *batch_tensors]
+        if compiled is None:
+            compiled = self._compile(layout, state, opt_spec, scalar_names, batch_leaves, batch_spec, tensor_positions, inputs, signature)
+            self._cache[signature] = compiled
+        self._last = compiled
+        outputs = compiled.run(*inputs)
+        n = compiled.num_outputs
+        trainable_positions = [k for k, spec in enumerate(layout.buffers) if spec.trainable]
+        shards = list(sharded.shards)
+        for k, t in zip(trainable_positions, outputs[: n["trainable"]]):
+            shards[k] = t
+        rest = outputs[n["trainable"] :]
+        local, rest = list(rest[: n["local"]]), rest[n["local"] :]
+        opt_state = opt_spec.unflatten(rest[: n["opt"]])
+        mean_loss, loss = rest[n["opt"]], rest[n["opt"] + 1]
+        aux = compiled.aux_spec.unflatten(rest[n["opt"] + 2 :]) if self.has_aux else None
+        metrics = self._metrics(mean_loss, loss, aux, compiled.all_gather_bytes, compiled.reduce_scatter_bytes)
+        return shards, local, opt_state, metrics
+
+    def _compile(self, layout, state, opt_spec, scalar_names, batch_leaves, batch_spec, tensor_positions, inputs, signature):
+        sharded = state.params
+        counts = [len(sharded.shards), len(sharded.local), opt_spec.num_leaves, len(scalar_names), len(tensor_positions)]
+        trainable_positions = [k for k, spec in enumerate(layout.buffers) if spec.trainable]
+        log: list = []
+        aux_spec_box: list = []
+
+        def flat_step(*flat):
+            pieces, start = [], 0
+            for count in counts:
+                pieces.append(list(flat[start : start + count]))
+                start += count
+            shards, local, opt_leaves, scalar_values, batch_tensors = pieces
+            leaves = list(batch_leaves)
+            for i, t in zip(tensor_positions, batch_tensors):
+                leaves[i] = t
+            batch = batch_spec.unflatten(leaves)
+            new_shards, new_local, new_opt, mean_loss, loss, aux = self._update(
+                layout, shards, local, opt_spec.unflatten(opt_leaves), dict(zip(scalar_names, scalar_values)), batch, log
+            )
+            aux_leaves, aux_spec = flatten(aux)
+            aux_spec_box.append(aux_spec)
+            new_opt_leaves, _ = flatten(new_opt)
+            return [
+                *(new_shards[k] for k in trainable_positions),
+                *new_local,
+                *new_opt_leaves,
+                mean_loss,
+                loss,
+                *aux_leaves,
+            ]
+
+        num_outputs = {"trainable": len(trainable_positions), "local": len(sharded.local), "opt": opt_spec.num_leaves}
+        loss_output = num_outputs["trainable"] + num_outputs["local"] + num_outputs["opt"] + 1
+        gm = _trace.trace_step(flat_step, inputs, log=log, forward_end_output=loss_output, schedule=self.schedule)
+        events = schedule_lib.analyze(gm)
+        sequence = [
+            f"{e.event.removesuffix('_issued')} of {e.buffer or 'the loss'} ({e.nbytes} bytes)"
+            for e in events
+            if e.event.endswith("_issued")
+        ]
+        self.mesh.check_same_sequence("the traced step's collectives", sequence)
+        run = gm
+        if self.schedule.compile:
+            run = torch.compile(gm, backend="inductor", fullgraph=True, dynamic=False)
+        return _trace.CompiledStep(
+            signature=signature,
+            graph_module=gm,
+            events=events,
+            all_gather_bytes=sum(e.nbytes for e in events if e.event == "gather_issued"),
+            reduce_scatter_bytes=sum(e.nbytes for e in events if e.event == "reduce_scatter_issued"),
+            run=run,
+            num_outputs=num_outputs,
+            aux_spec=aux_spec_box[0] if aux_spec_box else None,
+        )
+
+
+def _eager_bytes(layout: Layout) -> tuple[int, int]:
+    """Bytes the eager reference moves: every buffer gathered once, every trainable one
+    reduce-scattered once."""
+    return sum(b.nbytes for b in layout.buffers), sum(b.nbytes for b in layout.buffers if b.trainable)
 
 
 def _trainable(sharded: Sharded) -> dict[str, torch.Tensor]:
@@ -290,7 +423,7 @@ def sharded_step(
             0-d floating tensor. Gradients are the mean over ranks of each rank's gradient.
         mesh: from `fs.init_mesh`; parameters are sharded over its shard axis.
         optimizer: an `fs.optim` optimizer, e.g. `fs.optim.adamw(lr=1e-3)`.
-        schedule: an `fs.Schedule` (default: the eager reference).
+        schedule: an `fs.Schedule` (default: traced, prefetch 1, reshard after forward).
         units: `path -> unit name`: how parameters are grouped into units, one flat buffer
             (hence one collective) each. Default `fs.units_by_block`: one per repeated block.
         has_aux: `loss_fn` returns `(loss, aux)`; `aux` comes back in `metrics["aux"]`.
