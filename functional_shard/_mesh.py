@@ -54,6 +54,9 @@ class _MeshBase:
     rank: int
     world_size: int
     shard_axis: str
+    # Whether a step on this mesh can be traced (make_fx patches module globals while it
+    # traces, so thread-ranks of a simulated mesh cannot trace at the same time).
+    supports_tracing: bool = True
 
     @property
     def shape(self) -> dict[str, int]:
@@ -284,6 +287,7 @@ class SimulatedMesh(_MeshBase):
     barrier, and the others raise `threading.BrokenBarrierError` instead of waiting."""
 
     device = torch.device("cpu")
+    supports_tracing = False
 
     def __init__(self, axes: dict[str, int], rank: int, rendezvous: _Rendezvous, *, shard_axis: str | None = None):
         self.axis_names, self.axis_sizes = _check_axes(axes)

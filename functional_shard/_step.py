@@ -118,6 +118,11 @@ class ShardedStep:
             raise TypeError(f"optimizer must be an fs.optim optimizer (init, update); got {type(optimizer).__name__}")
         if not isinstance(schedule, Schedule):
             raise TypeError(f"schedule must be an fs.Schedule; got {type(schedule).__name__}")
+        if schedule.trace and not mesh.supports_tracing:
+            raise StepError(
+                f"{mesh!r} cannot trace a step (its ranks are threads, and make_fx traces one thread at a "
+                f"time): pass schedule=fs.Schedule(trace=False) to run the eager reference on it"
+            )
         self.loss_fn = loss_fn
         self.mesh = mesh
         self.optimizer = optimizer
@@ -353,11 +358,8 @@ class ShardedStep:
         loss_output = num_outputs["trainable"] + num_outputs["local"] + num_outputs["opt"] + 1
         gm = _trace.trace_step(flat_step, inputs, log=log, forward_end_output=loss_output, schedule=self.schedule)
         events = schedule_lib.analyze(gm)
-        sequence = [
-            f"{e.event.removesuffix('_issued')} of {e.buffer or 'the loss'} ({e.nbytes} bytes)"
-            for e in events
-            if e.event.endswith("_issued")
-        ]
+        kinds = {"gather_issued": "all_gather", "reduce_scatter_issued": "reduce_scatter", "all_reduce_issued": "all_reduce"}
+        sequence = [f"{kinds[e.event]} of {e.buffer or 'the loss'} ({e.nbytes} bytes)" for e in events if e.event in kinds]
         self.mesh.check_same_sequence("the traced step's collectives", sequence)
         run = gm
         if self.schedule.compile:

@@ -116,11 +116,15 @@ def trace_step(
         gm = make_fx(flat_step, tracing_mode="fake", _allow_non_fake_inputs=True)(*inputs)
     except _DATA_DEPENDENT as error:
         op = getattr(error, "func", None)
+        if op is None:  # a guard on an unbacked value: bool()/int()/float()/.item() of a tensor
+            op = "aten._local_scalar_dense (bool(), int(), float() or .item() of a tensor)"
+        detail = str(error).strip().splitlines()[0][:300] if str(error).strip() else type(error).__name__
         raise TraceError(
-            f"sharded_step could not trace loss_fn: {op or type(error).__name__} needs the value of a tensor "
-            f"(a Python if/while on a tensor, .item(), .tolist(), or an output whose shape depends on values) at "
-            f"{_user_frame(error)}. The traced step replays one graph for every batch, so it cannot branch on data; "
-            f"run it eagerly with fs.Schedule(trace=False), or express the branch with torch.where"
+            f"sharded_step could not trace loss_fn: the operation {op} needs the value of a tensor, at "
+            f"{_user_frame(error)} ({type(error).__name__}: {detail}). A traced step replays one graph for every "
+            f"batch, so it cannot branch on data (Python if/while on a tensor, .item(), .tolist(), outputs whose "
+            f"shape depends on values). Run this loss eagerly with fs.Schedule(trace=False), or write the branch "
+            f"with torch.where"
         ) from error
     _tag_collectives(gm, log)
     _mark_forward_end(gm, forward_end_output)

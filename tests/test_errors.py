@@ -14,6 +14,7 @@ from functional_shard.models import MLP
 
 
 def small_problem(mesh, **step_options):
+    step_options.setdefault("schedule", fs.Schedule(trace=mesh.supports_tracing))
     torch.manual_seed(0)
     model = MLP(5, 8, 3, n_blocks=2)
     apply_fn, params = fs.functionalize(model)
@@ -128,43 +129,57 @@ def test_corrupted_shard_is_named():
 # --- losses ----------------------------------------------------------------------------------
 
 
-def test_loss_that_is_not_a_scalar_is_refused_and_state_untouched():
+def loss_errors(mesh):
+    """Run on a simulated mesh (eager) and on a gloo mesh (traced)."""
+    schedule = fs.Schedule(trace=mesh.supports_tracing)
+    apply_fn, params, _, batch = small_problem(mesh)
+    step = fs.sharded_step(lambda p, b: apply_fn(p, b[0]).sum(0), mesh, optimizer=fs.optim.sgd(lr=0.1), schedule=schedule)
+    state = step.init(params)
+    before = snapshot(state)
+    with pytest.raises(fs.StepError, match=r"0-d floating tensor.*returned a tensor of shape \[3\] and dtype float32"):
+        step(state, batch)
+    assert unchanged(state, before)
+    tuple_step = fs.sharded_step(
+        lambda p, b: (apply_fn(p, b[0]).sum(), 1), mesh, optimizer=fs.optim.sgd(lr=0.1), schedule=schedule
+    )
+    with pytest.raises(fs.StepError, match="has_aux=True"):
+        tuple_step(tuple_step.init(params), batch)
+    aux_step = fs.sharded_step(
+        lambda p, b: (apply_fn(p, b[0]).sum(), {"out": apply_fn(p, b[0])}),
+        mesh,
+        optimizer=fs.optim.sgd(lr=0.1),
+        has_aux=True,
+        schedule=schedule,
+    )
+    _, metrics = aux_step(aux_step.init(params), batch)
+    assert metrics["aux"]["out"].shape == (4, 3)
+
+    def raising_loss(p, b):
+        apply_fn(p, b[0])
+        raise RuntimeError("bad batch")
+
+    raising = fs.sharded_step(raising_loss, mesh, optimizer=fs.optim.adamw(lr=0.1), schedule=schedule)
+    state = raising.init(params)
+    before = snapshot(state)
+    with pytest.raises(RuntimeError, match="bad batch"):
+        raising(state, batch)
+    assert unchanged(state, before)
+
+
+def test_loss_errors_are_clear_and_leave_state_untouched_eager():
+    fs.testing.SimulatedWorld(3).run(loss_errors)
+
+
+def test_loss_errors_are_clear_and_leave_state_untouched_traced(local_world):
+    local_world(2).run(loss_errors)
+
+
+def test_simulated_mesh_refuses_to_trace():
     def body(mesh):
-        apply_fn, params, _, batch = small_problem(mesh)
-        step = fs.sharded_step(lambda p, b: apply_fn(p, b[0]).sum(0), mesh, optimizer=fs.optim.sgd(lr=0.1))
-        state = step.init(params)
-        before = snapshot(state)
-        with pytest.raises(fs.StepError, match=r"0-d floating tensor.*returned a tensor of shape \[3\] and dtype float32"):
-            step(state, batch)
-        assert unchanged(state, before)
-        tuple_step = fs.sharded_step(lambda p, b: (apply_fn(p, b[0]).sum(), 1), mesh, optimizer=fs.optim.sgd(lr=0.1))
-        with pytest.raises(fs.StepError, match="has_aux=True"):
-            tuple_step(tuple_step.init(params), batch)
-        aux_step = fs.sharded_step(
-            lambda p, b: (apply_fn(p, b[0]).sum(), apply_fn(p, b[0])), mesh, optimizer=fs.optim.sgd(lr=0.1), has_aux=True
-        )
-        _, metrics = aux_step(aux_step.init(params), batch)
-        assert metrics["aux"].shape == (4, 3)
+        with pytest.raises(fs.StepError, match=r"Schedule\(trace=False\)"):
+            fs.sharded_step(lambda p, b: p.sum(), mesh, optimizer=fs.optim.sgd(lr=0.1))
 
     fs.testing.SimulatedWorld(2).run(body)
-
-
-def test_error_inside_loss_leaves_state_untouched():
-    def body(mesh):
-        apply_fn, params, _, batch = small_problem(mesh)
-
-        def loss_fn(p, b):
-            apply_fn(p, b[0])
-            raise RuntimeError("bad batch")
-
-        step = fs.sharded_step(loss_fn, mesh, optimizer=fs.optim.adamw(lr=0.1))
-        state = step.init(params)
-        before = snapshot(state)
-        with pytest.raises(RuntimeError, match="bad batch"):
-            step(state, batch)
-        assert unchanged(state, before)
-
-    fs.testing.SimulatedWorld(3).run(body)
 
 
 # --- failing ranks under fs.launch -------------------------------------------------------------
@@ -200,12 +215,19 @@ def test_rank_that_raises_mid_step_does_not_hang_the_others():
     assert elapsed < 45, f"took {elapsed:.0f} s"
 
 
+def rank_one_fails_while_rank_zero_is_busy():
+    fs.init_mesh({"fsdp": 2})
+    if int(__import__("os").environ["RANK"]) == 1:
+        raise RuntimeError("rank one cannot go on")
+    time.sleep(120)  # busy elsewhere: no collective will notice that rank 1 is gone
+
+
 def test_launcher_stops_ranks_after_grace():
     start = time.monotonic()
     with pytest.raises(fs.RankError) as info:
-        fs.launch(rank_one_fails_mid_step, world_size=2, args=(600.0,), grace=1.0)
+        fs.launch(rank_one_fails_while_rank_zero_is_busy, world_size=2, grace=1.0)
     assert info.value.rank == 1
-    assert "stopped by the launcher" in info.value.failures[0]
+    assert "stopped by the launcher 1 s after rank 1 failed" in info.value.failures[0]
     assert time.monotonic() - start < 45
 
 

@@ -61,7 +61,7 @@ def per_rank_batchnorm(mesh, initial: nn.Module):
         x, y = batch
         return F.cross_entropy(apply_fn(p, x), y)
 
-    step = fs.sharded_step(loss_fn, mesh, optimizer=fs.optim.sgd(lr=0.1))
+    step = fs.sharded_step(loss_fn, mesh, optimizer=fs.optim.sgd(lr=0.1), schedule=fs.Schedule(trace=False))
     state = step.init(params)
     g = torch.Generator().manual_seed(mesh.rank)
     batch = (torch.randn(3, 3, 8, 8, generator=g), torch.randint(0, 4, (3,), generator=g))

@@ -345,15 +345,11 @@ def test_update_is_pure(name):
 
 
 @pytest.mark.parametrize("which", ["adamw", "sgd"])
-def test_forced_foreach_kernel_matches_torch_and_is_pure(which, monkeypatch):
-    # On CPU torch picks the single-tensor kernels; on accelerators it picks foreach,
-    # whose SGD/Nesterov path writes into the grads it is handed. Force that path here
-    # (torch's foreach ops also run on CPU) to cover the grad-copy in update().
-    import functional_shard.optim._adamw as adamw_mod
-    import functional_shard.optim._sgd as sgd_mod
-
-    mod = adamw_mod if which == "adamw" else sgd_mod
-    monkeypatch.setattr(mod, "_kernel_choice", lambda params: (False, True))
+def test_update_matches_torch_foreach_kernel_and_is_pure(which):
+    # On CPU torch picks the single-tensor kernels, which `apply` transcribes; on
+    # accelerators it picks foreach, whose SGD/Nesterov path writes into the grads it is
+    # handed. torch's foreach ops also run on CPU: check that the same update matches
+    # that kernel too, and that the grads we are handed stay untouched.
     if which == "adamw":
         kw = dict(weight_decay=0.1, amsgrad=True)
         torch_opt = lambda ps: torch.optim.AdamW(ps, lr=0.1, foreach=True, **kw)  # noqa: E731
@@ -459,3 +455,281 @@ def test_bad_hyperparameters():
         optim.sgd(0.1, nesterov=True)
     with pytest.raises(ValueError, match="Nesterov"):
         optim.sgd(0.1, momentum=0.9, dampening=0.1, nesterov=True)
+
+
+# --------------------------------------------------- scalars / apply: traceable update
+#
+# `update(g, s, p)` is `apply(g, s, p, scalars(s))`: `scalars` reads the step count and
+# the schedule in Python, `apply` is a tensor program taking those values as 0-d
+# float64 tensors, traced once with make_fx and replayed every step.
+
+from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
+
+from functional_shard.optim import _exact  # noqa: E402
+
+SCALAR_KEYS = {
+    "adamw": {"lr", "decay", "neg_step_size", "bias_correction2_sqrt"},
+    "sgd": {"lr", "neg_lr", "first"},
+}
+
+
+def _bits_equal(a, b) -> bool:
+    """torch.equal, except that NaN equals NaN."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.is_complex():
+        a, b = torch.view_as_real(a), torch.view_as_real(b)
+    return bool(((a == b) | (a.isnan() & b.isnan())).all())
+
+
+def _assert_trees_bit_equal(a, b):
+    la, sa = optree.tree_flatten(a)
+    lb, sb = optree.tree_flatten(b)
+    assert sa == sb
+    for x, y in zip(la, lb):
+        assert _bits_equal(x, y)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_update_is_apply_of_scalars(name, dtype):
+    opt = OPTIMIZERS[name]()
+    params = _to_tree(_init_params(8, dtype), "tree")
+    state = opt.init(params)
+    for step_grads in _grads(8, 1.0, "normal", dtype)[:3]:
+        grads = _to_tree(step_grads, "tree")
+        sc = opt.scalars(state)
+        assert set(sc) == SCALAR_KEYS[name.split("_")[0]]
+        for value in sc.values():
+            assert value.shape == () and value.dtype == torch.float64
+            assert value.device.type == "cpu"
+        via_apply = opt.apply(grads, state, params, sc)
+        via_update = opt.update(grads, state, params)
+        _assert_trees_bit_equal(via_apply, via_update)
+        params, state = via_update
+
+
+def test_adamw_scalars_values():
+    # As torch's non-capturable kernel computes them, in Python floats.
+    lr, wd, (b1, b2) = 0.3, 0.1, (0.8, 0.95)
+    opt = optim.adamw(lambda c: lr / (c + 1), betas=(b1, b2), weight_decay=wd)
+    state = opt.init({"w": torch.zeros(2)})._replace(count=torch.tensor(3.0))
+    sc = {k: v.item() for k, v in opt.scalars(state).items()}
+    step_lr, step = lr / 4, 4.0
+    assert sc == {
+        "lr": step_lr,
+        "decay": 1 - step_lr * wd,
+        "neg_step_size": -(step_lr / (1 - b1**step)),
+        "bias_correction2_sqrt": (1 - b2**step) ** 0.5,
+    }
+    sgd_opt = optim.sgd(lambda c: 0.5 * c + 0.25, momentum=0.9)
+    sgd_state = sgd_opt.init({"w": torch.zeros(2)})
+    assert {k: v.item() for k, v in sgd_opt.scalars(sgd_state).items()} == {
+        "lr": 0.25, "neg_lr": -0.25, "first": 1.0}
+    sgd_state = sgd_state._replace(count=torch.tensor(2))
+    assert {k: v.item() for k, v in sgd_opt.scalars(sgd_state).items()} == {
+        "lr": 1.25, "neg_lr": -1.25, "first": 0.0}
+
+
+TRACE_SIZES = {"one": 1, "odd": 17, "long": 257}
+
+
+def _decaying(base):
+    return lambda count: base / (1.0 + 0.5 * count)
+
+
+# name -> (fs optimizer, torch class, torch kwargs, lr: float or schedule)
+TRACE_CONFIGS = {
+    "adamw_wd": (optim.adamw, torch.optim.AdamW, dict(weight_decay=0.1), 1e-2),
+    "adamw_amsgrad_sched": (optim.adamw, torch.optim.AdamW,
+                            dict(weight_decay=0.1, amsgrad=True, betas=(0.8, 0.99)), _decaying(0.05)),
+    "adamw_max_nowd_sched": (optim.adamw, torch.optim.AdamW,
+                             dict(weight_decay=0.0, maximize=True, eps=1e-6), _decaying(0.02)),
+    "sgd_plain": (optim.sgd, torch.optim.SGD, dict(), 0.1),
+    "sgd_momentum_damp_wd_sched": (optim.sgd, torch.optim.SGD,
+                                   dict(momentum=0.9, dampening=0.1, weight_decay=1e-2), _decaying(0.1)),
+    "sgd_nesterov_wd": (optim.sgd, torch.optim.SGD,
+                        dict(momentum=0.9, nesterov=True, weight_decay=1e-3), 0.05),
+    "sgd_momentum_max_sched": (optim.sgd, torch.optim.SGD,
+                               dict(momentum=0.5, maximize=True), _decaying(0.2)),
+}
+
+_ITEM_TARGETS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default}
+
+
+def _trace_apply(opt, grads, state, params):
+    sc = opt.scalars(state)
+    gm = make_fx(lambda g, s, p, c: opt.apply(g, s, p, c), tracing_mode="fake")(
+        grads, state, params, sc)
+    return gm, sc
+
+
+def _assert_traceable_graph(gm, sc, used):
+    # No host sync / baked-in step values: no .item() anywhere in the graph ...
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert not [t for t in targets if t in _ITEM_TARGETS or "local_scalar" in str(t)]
+    assert not [n for n in gm.graph.nodes if n.op == "get_attr"]  # no tensor constants
+    # ... and the per-step scalars are real inputs that the graph reads. make_fx
+    # flattens (grads, state, params, scalars) into placeholders, scalars last.
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    leaves, _ = torch.utils._pytree.tree_flatten(sc)
+    keys = list(sc)
+    read = {k for k, node in zip(keys, placeholders[-len(leaves):]) if node.users}
+    assert read == used
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("name", list(TRACE_CONFIGS))
+def test_traced_apply_replays_like_update_and_torch(name, dtype):
+    make_opt, torch_cls, kw, lr = TRACE_CONFIGS[name]
+    lr_at = lr if callable(lr) else (lambda count: lr)
+    opt = make_opt(lr, **kw)
+    gen = torch.Generator().manual_seed(11)
+    rand = lambda n: torch.randn(n, generator=gen, dtype=torch.float64).to(dtype)  # noqa: E731
+    params = {k: rand(n) for k, n in TRACE_SIZES.items()}
+    grads_seq = [{k: rand(n) for k, n in TRACE_SIZES.items()} for _ in range(STEPS)]
+
+    state = opt.init(params)
+    # Traced ONCE, at step 0 (where SGD's `first` is 1 and AdamW's step is 1) ...
+    gm, sc0 = _trace_apply(opt, grads_seq[0], state, params)
+    if name.startswith("adamw"):
+        used = {"neg_step_size", "bias_correction2_sqrt"} | ({"decay"} if kw.get("weight_decay") else set())
+    else:
+        used = {"neg_lr"} | ({"first"} if kw.get("momentum") else set())
+    _assert_traceable_graph(gm, sc0, used)
+
+    # ... then replayed for every step, next to eager `update` and torch.optim.
+    torch_params = [torch.nn.Parameter(params[k].clone()) for k in TRACE_SIZES]
+    torch_opt = torch_cls(torch_params, lr=lr_at(0), **kw)
+    traced = eager = (params, state)
+    for i, grads in enumerate(grads_seq):
+        traced = gm(grads, traced[1], traced[0], opt.scalars(traced[1]))
+        eager = opt.update(grads, eager[1], eager[0])
+        _assert_trees_bit_equal(traced, eager)
+        for p, k in zip(torch_params, TRACE_SIZES):
+            p.grad = grads[k].clone()
+        torch_opt.param_groups[0]["lr"] = lr_at(i)
+        torch_opt.step()
+        new_params, new_state = traced
+        for p, k in zip(torch_params, TRACE_SIZES):
+            assert _bits_equal(new_params[k], p.detach())
+            torch_state = torch_opt.state[p]
+            if name.startswith("adamw"):
+                assert _bits_equal(new_state.exp_avg[k], torch_state["exp_avg"])
+                assert _bits_equal(new_state.exp_avg_sq[k], torch_state["exp_avg_sq"])
+                if kw.get("amsgrad"):
+                    assert _bits_equal(new_state.max_exp_avg_sq[k], torch_state["max_exp_avg_sq"])
+                assert torch.equal(new_state.count, torch_state["step"])
+            elif kw.get("momentum"):
+                assert _bits_equal(new_state.momentum_buffer[k], torch_state["momentum_buffer"])
+        assert int(new_state.count) == i + 1
+
+
+def test_traced_apply_complex_params():
+    gen = torch.Generator().manual_seed(12)
+    params = {"z": torch.randn(17, generator=gen, dtype=torch.complex64),
+              "s": torch.randn((), generator=gen, dtype=torch.complex64)}
+    for opt in (optim.adamw(1e-2, amsgrad=True, weight_decay=0.1),
+                optim.sgd(0.1, momentum=0.9, weight_decay=0.1)):
+        grads = {k: torch.randn(v.shape, generator=gen, dtype=v.dtype) for k, v in params.items()}
+        state = opt.init(params)
+        gm, _ = _trace_apply(opt, grads, state, params)
+        traced, eager = (params, state), (params, state)
+        for _ in range(3):
+            traced = gm(grads, traced[1], traced[0], opt.scalars(traced[1]))
+            eager = opt.update(grads, eager[1], eager[0])
+            _assert_trees_bit_equal(traced, eager)
+
+
+def test_sgd_complex_params_match_torch():
+    gen = torch.Generator().manual_seed(13)
+    init = [torch.randn(s, generator=gen, dtype=torch.complex64) for s in SHAPES]
+    grads = [[torch.randn(s, generator=gen, dtype=torch.complex64) for s in SHAPES]
+             for _ in range(STEPS)]
+    kw = dict(momentum=0.9, weight_decay=0.1, nesterov=True)
+    _check_against_torch(
+        lambda ps: torch.optim.SGD(ps, lr=0.1, **kw), optim.sgd(0.1, **kw), "tree", init, grads,
+        {"momentum_buffer": lambda s: s.momentum_buffer},
+    )
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_sgd_large_reduced_precision_buffer_matches_torch(dtype, threads):
+    # Above 32768 elements torch splits the add(alpha=) kernel over threads, and each
+    # chunk has its own scalar tail (see _exact.add_scaled_).
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        gen = torch.Generator().manual_seed(14)
+        n = 3 * 32768 + 37
+        init = torch.randn(n, generator=gen).to(dtype)
+        param = torch.nn.Parameter(init.clone())
+        torch_opt = torch.optim.SGD([param], lr=0.0123, momentum=0.9)
+        opt = optim.sgd(0.0123, momentum=0.9)
+        tree = {"buf": init}
+        state = opt.init(tree)
+        for _ in range(3):
+            g = torch.randn(n, generator=gen).to(dtype)
+            param.grad = g.clone()
+            torch_opt.step()
+            tree, state = opt.update({"buf": g}, state, tree)
+            assert torch.equal(tree["buf"], param.detach())
+    finally:
+        torch.set_num_threads(old)
+
+
+# ----------------------------------------- exact tensor forms of Scalar-argument ops
+#
+# Evidence for functional_shard/optim/_exact.py: each tensor-scalar form against the
+# torch call it replaces, on random data, with sizes around SIMD widths and tails.
+
+EXACT_SIZES = [1, 2, 15, 16, 17, 31, 32, 33, 63, 64, 65, 257, 1000, 4099]
+EXACT_DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16,
+                torch.complex64, torch.complex128]
+
+
+def _exact_cases(dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    values = [0.1, -0.0123456789, 1 - 1e-4, 3e-5, 0.73]
+    values += [float(v) for v in torch.rand(5, generator=gen, dtype=torch.float64) * 2 - 1]
+    for n in EXACT_SIZES:
+        for value in values:
+            x, y = (torch.randn(n, generator=gen, dtype=torch.float64) for _ in range(2))
+            z = torch.rand(n, generator=gen, dtype=torch.float64) + 0.01
+            if dtype.is_complex:
+                x, y = torch.complex(x, y), torch.complex(y, x)
+            yield x.to(dtype), y.to(dtype), z.to(dtype if not dtype.is_complex else x.real.dtype), value
+
+
+@pytest.mark.parametrize("dtype", EXACT_DTYPES)
+def test_exact_0d_float64_operand_behaves_like_python_float(dtype):
+    for x, _, _, value in _exact_cases(dtype, 21):
+        t = _exact.scalar(value)
+        assert torch.equal(x * value, x * t)
+        assert torch.equal(x / value, x / t)
+        # 0-d leaves: viewed as (1,) first, else the 0-d float64 tensor wins promotion.
+        x0 = x[0].clone()
+        assert torch.equal(x0 * value, (_exact.as_1d(x0) * t).reshape(()))
+        assert torch.equal(x0 / value, (_exact.as_1d(x0) / t).reshape(()))
+    if dtype not in (torch.float64, torch.complex128):
+        assert (x0 * t).dtype != dtype  # what as_1d avoids
+
+
+@pytest.mark.parametrize("dtype", EXACT_DTYPES)
+def test_exact_add_scaled_matches_add_alpha(dtype):
+    for x, y, _, value in _exact_cases(dtype, 22):
+        want = x.clone().add_(y, alpha=value)
+        assert torch.equal(_exact.add_scaled_(x.clone(), y, _exact.scalar(value)), want)
+    if dtype in (torch.float32, torch.float64) and torch.backends.cpu.get_cpu_capability() != "DEFAULT":
+        # Why addcmul: add(alpha=) fuses the multiply-add (in the SIMD builds; the
+        # DEFAULT build fuses neither it nor addcmul); a separate multiply does not.
+        x, y = torch.randn(4099, dtype=dtype), torch.randn(4099, dtype=dtype)
+        assert not torch.equal(x + y * _exact.scalar(0.1), x.add(y, alpha=0.1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_exact_addcdiv_scaled_matches_addcdiv_value(dtype):
+    for x, y, z, value in _exact_cases(dtype, 24):
+        want = x.clone().addcdiv_(y, z, value=value)
+        assert torch.equal(_exact.addcdiv_scaled_(x.clone(), y, z, _exact.scalar(value)), want)

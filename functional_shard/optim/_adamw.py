@@ -1,4 +1,4 @@
-"""AdamW as a pair of pure functions over torch's own Adam kernel."""
+"""AdamW as pure functions mirroring torch's single-tensor Adam kernel."""
 
 from __future__ import annotations
 
@@ -6,18 +6,18 @@ from typing import NamedTuple, Optional
 
 import optree
 import torch
-from torch.optim.adamw import adamw as _torch_adamw
 from torch.optim.optimizer import _get_scalar_dtype
 
+from . import _exact
 from ._base import (
     Grads,
     Optimizer,
     Params,
+    Scalars,
     ScalarOrSchedule,
     _check_like,
     _check_params,
     _clone,
-    _kernel_choice,
     _lr_fn,
 )
 
@@ -55,11 +55,34 @@ def adamw(
 ) -> Optimizer:
     """AdamW (decoupled weight decay), bit-identical to `torch.optim.AdamW`.
 
-    `update` clones params and state, then runs torch's functional
-    `torch.optim.adamw.adamw` (in torch 2.13: `torch.optim.adam.adam(...,
-    decoupled_weight_decay=True)`, exactly what `torch.optim.AdamW.step` calls) in
-    place on the clones, with the foreach/fused choice torch makes by default (on
-    CPU: the single-tensor kernel).
+    The update is torch's single-tensor Adam kernel
+    (`torch.optim.adam._single_tensor_adam` with `decoupled_weight_decay=True`, what
+    `torch.optim.AdamW.step` runs on CPU) transcribed op for op, with the values that
+    change from step to step taken from tensors instead of Python floats, so that the
+    update can be traced once and replayed:
+
+    * `scalars(state)` (eager, Python): with `count = state.count.item()` (updates
+      already applied), `step = count + 1` (torch increments its step tensor first, in
+      the count's dtype) and `lr` the schedule's value at `count`, returns 0-d float64
+      CPU tensors holding, computed in Python floats exactly as the kernel does:
+
+        - "lr": `lr` (not read by `apply`; there for logging).
+        - "decay": `1 - lr * weight_decay`, the decoupled decay factor of params.
+        - "neg_step_size": `-(lr / (1 - beta1 ** step))`.
+        - "bias_correction2_sqrt": `(1 - beta2 ** step) ** 0.5`.
+
+    * `apply(grads, state, params, scalars)` (traceable): tensor ops only, consuming the
+      scalars above as tensors; `betas`, `eps`, `weight_decay`, `amsgrad` and `maximize`
+      never change and are baked in as Python constants. The new `count` is
+      `state.count + 1`. Each op with a varying Scalar argument is replaced by its exact
+      tensor form (see `functional_shard/optim/_exact.py`); e.g.
+      `param.addcdiv_(exp_avg, denom, value=-step_size)` becomes
+      `param + (exp_avg * neg_step_size) / denom`, evaluated in the kernel's op-math
+      type (float for bfloat16/float16, rounded once).
+    * `update(grads, state, params)` is `apply(grads, state, params, scalars(state))`.
+
+    Results match torch.optim.AdamW bit for bit on CPU, for float32, float64,
+    bfloat16/float16 and complex params (updated, as torch does, on real views).
 
     Arguments:
       lr: learning rate. Either a non-negative float, or a schedule: a callable
@@ -88,6 +111,7 @@ def adamw(
         raise ValueError(f"Invalid beta parameter at index 1: {beta2}")
     if not 0.0 <= weight_decay:
         raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+    _exact.warm_up()
 
     def init(params: Params) -> AdamWState:
         _check_params(params)
@@ -106,7 +130,25 @@ def adamw(
             max_exp_avg_sq=zeros(params) if amsgrad else None,
         )
 
-    def update(grads: Grads, state: AdamWState, params: Params) -> tuple[Params, AdamWState]:
+    def scalars(state: AdamWState) -> Scalars:
+        count = state.count.detach()
+        # torch: `step_t += 1` on its step tensor, then `step = step_t.item()`.
+        step = (count + 1).item()
+        step_lr = lr_fn(int(count.item()))
+        bias_correction1 = 1 - beta1**step
+        bias_correction2 = 1 - beta2**step
+        step_size = step_lr / bias_correction1
+        bias_correction2_sqrt = bias_correction2**0.5
+        return {
+            "lr": _exact.scalar(step_lr),
+            "decay": _exact.scalar(1 - step_lr * weight_decay),
+            "neg_step_size": _exact.scalar(-step_size),
+            "bias_correction2_sqrt": _exact.scalar(bias_correction2_sqrt),
+        }
+
+    def apply(
+        grads: Grads, state: AdamWState, params: Params, scalars: Scalars
+    ) -> tuple[Params, AdamWState]:
         accessors, p_leaves, spec = _check_params(params)
         g_leaves = _check_like("grads", grads, accessors, p_leaves, spec)
         m_leaves = _check_like("state.exp_avg", state.exp_avg, accessors, p_leaves, spec)
@@ -118,51 +160,49 @@ def adamw(
                 "state.max_exp_avg_sq", state.max_exp_avg_sq, accessors, p_leaves, spec
             )
         else:
-            vmax_leaves = []
+            vmax_leaves = [None] * len(p_leaves)
+        decay = scalars["decay"]
+        neg_step_size = scalars["neg_step_size"]
+        bias_correction2_sqrt = scalars["bias_correction2_sqrt"]
 
-        count = state.count
-        step_lr = lr_fn(int(count.item()))
+        def step_leaf(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq) -> None:
+            # torch's loop body for one parameter (non-capturable, non-differentiable
+            # branch), in place on our private clones. 0-d leaves are viewed as shape
+            # (1,) so the 0-d float64 scalars lose type promotion to them (_exact).
+            param, grad, exp_avg, exp_avg_sq = map(
+                _exact.as_1d, (param, grad, exp_avg, exp_avg_sq)
+            )
+            if max_exp_avg_sq is not None:
+                max_exp_avg_sq = _exact.as_1d(max_exp_avg_sq)
+            if maximize:
+                grad = -grad
+            if weight_decay != 0:
+                param.mul_(decay)
+            if torch.is_complex(param):
+                grad = torch.view_as_real(grad)
+                exp_avg = torch.view_as_real(exp_avg)
+                exp_avg_sq = torch.view_as_real(exp_avg_sq)
+                if max_exp_avg_sq is not None:
+                    max_exp_avg_sq = torch.view_as_real(max_exp_avg_sq)
+                param = torch.view_as_real(param)
+            exp_avg.lerp_(grad, 1 - beta1)
+            exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+            if max_exp_avg_sq is not None:
+                torch.maximum(max_exp_avg_sq, exp_avg_sq, out=max_exp_avg_sq)
+                denom = (max_exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+            else:
+                denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+            # param.addcdiv_(exp_avg, denom, value=-step_size)
+            _exact.addcdiv_scaled_(param, exp_avg, denom, neg_step_size)
 
         with torch.no_grad():
             new_p = _clone(p_leaves)
             new_m = _clone(m_leaves)
             new_v = _clone(v_leaves)
-            new_vmax = _clone(vmax_leaves)
-            # One step tensor per leaf, as torch keeps one per parameter: the kernels
-            # increment each list entry in place, so a shared tensor would be bumped
-            # once per leaf.
-            steps = [count.detach().clone() for _ in new_p]
-            fused, foreach = _kernel_choice(new_p)
-            if fused or foreach:
-                # The single-tensor kernel only reads grads; the multi-tensor and fused
-                # ones are not documented to, so give them private copies.
-                g_leaves = _clone(g_leaves)
-            # Pass list copies: for complex leaves the kernel swaps entries of
-            # max_exp_avg_sqs for real views, and we must return the tensors we own.
-            # torch.optim.adamw.adamw is what AdamW.step runs: in torch 2.13 both are
-            # torch.optim.adam.adam(..., decoupled_weight_decay=True); calling adamw keeps
-            # older torch (own AdamW kernel, no decoupled_weight_decay flag) working too.
-            _torch_adamw(
-                list(new_p),
-                list(g_leaves),
-                list(new_m),
-                list(new_v),
-                list(new_vmax),
-                list(steps),
-                foreach=foreach,
-                fused=fused,
-                capturable=False,
-                differentiable=False,
-                has_complex=any(torch.is_complex(p) for p in new_p),
-                amsgrad=amsgrad,
-                beta1=beta1,
-                beta2=beta2,
-                lr=step_lr,
-                weight_decay=weight_decay,
-                eps=eps,
-                maximize=maximize,
-            )
-            new_count = steps[0] if steps else count.detach() + 1
+            new_vmax = _clone(vmax_leaves) if amsgrad else vmax_leaves
+            for leaves in zip(new_p, g_leaves, new_m, new_v, new_vmax):
+                step_leaf(*leaves)
+            new_count = state.count.detach() + 1
 
         unflatten = lambda leaves: optree.tree_unflatten(spec, leaves)  # noqa: E731
         new_state = AdamWState(
@@ -173,4 +213,7 @@ def adamw(
         )
         return unflatten(new_p), new_state
 
-    return Optimizer(init=init, update=update)
+    def update(grads: Grads, state: AdamWState, params: Params) -> tuple[Params, AdamWState]:
+        return apply(grads, state, params, scalars(state))
+
+    return Optimizer(init=init, update=update, scalars=scalars, apply=apply)

@@ -1,14 +1,21 @@
 """Base types and shared helpers for `functional_shard.optim`.
 
-An optimizer is a pair of pure functions, in the style of optax:
+An optimizer is a set of pure functions, in the style of optax:
 
     opt = optim.adamw(1e-3)
     state = opt.init(params)
     params, state = opt.update(grads, state, params)
 
-The update math is never re-derived here: every optimizer clones its inputs and
-runs torch's own functional kernel (`torch.optim.adam.adam`, `torch.optim.sgd.sgd`)
-in place on the clones, so results are bit-identical to `torch.optim`.
+`update` is split in two so that a whole training step can be traced once and
+replayed: `scalars(state)` computes, in Python, every value that changes from step to
+step (learning rate, bias corrections, ...) as 0-d float64 tensors, and
+`apply(grads, state, params, scalars)` is the traceable tensor program that consumes
+them. `update(g, s, p)` is exactly `apply(g, s, p, scalars(s))`.
+
+`apply` mirrors torch's own single-tensor kernels (`torch.optim.adam._single_tensor_adam`,
+`torch.optim.sgd._single_tensor_sgd`) op for op, keeping their constant Python scalars
+and feeding the varying ones as tensors through the exact forms in `_exact`, so results
+are bit-identical to `torch.optim` on CPU.
 """
 
 from __future__ import annotations
@@ -17,7 +24,6 @@ from typing import Any, Callable, NamedTuple, Sequence, Union
 
 import optree
 import torch
-from torch.optim.optimizer import _default_to_fused_or_foreach
 
 __all__ = [
     "Params",
@@ -27,6 +33,9 @@ __all__ = [
     "ScalarOrSchedule",
     "InitFn",
     "UpdateFn",
+    "Scalars",
+    "ScalarsFn",
+    "ApplyFn",
     "Optimizer",
 ]
 
@@ -42,20 +51,38 @@ ScalarOrSchedule = Union[float, Schedule]
 
 InitFn = Callable[[Params], OptState]
 UpdateFn = Callable[[Grads, OptState, Params], tuple[Params, OptState]]
+# The per-step values `apply` consumes, each a 0-d float64 CPU tensor.
+Scalars = dict[str, torch.Tensor]
+ScalarsFn = Callable[[OptState], Scalars]
+ApplyFn = Callable[[Grads, OptState, Params, Scalars], tuple[Params, OptState]]
 
 
 class Optimizer(NamedTuple):
-    """A pair of pure functions that together define an optimizer.
+    """The pure functions that together define an optimizer.
 
     Arguments:
       init: `init(params) -> state`; builds the initial optimizer state for `params`.
       update: `update(grads, state, params) -> (new_params, new_state)`; applies one
         optimizer step. It never mutates `grads`, `state` or `params`: the returned
-        params and state are freshly allocated tensors.
+        params and state are freshly allocated tensors. Exactly
+        `apply(grads, state, params, scalars(state))`.
+      scalars: `scalars(state) -> dict[str, Tensor]`; everything that changes from step
+        to step (the scheduled learning rate and what derives from it and from the step
+        count), computed in Python double precision exactly as torch's kernel computes
+        it, each value a 0-d float64 CPU tensor. It reads the step count with `.item()`,
+        so call it eagerly, outside any trace, once per step.
+      apply: `apply(grads, state, params, scalars) -> (new_params, new_state)`; the
+        update itself, written to be traced once (e.g. with
+        `make_fx(..., tracing_mode="fake")`) and replayed every step: tensor ops only,
+        no `.item()`, no branching on tensor values; the per-step values come in as the
+        `scalars` tensors, while hyperparameters that never change are baked in as
+        Python constants. It never mutates its inputs.
     """
 
     init: InitFn
     update: UpdateFn
+    scalars: ScalarsFn
+    apply: ApplyFn
 
 
 def _lr_fn(lr: ScalarOrSchedule) -> Schedule:
@@ -166,16 +193,3 @@ def _clone(leaves: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     # detach: outputs must not join the autograd graph of nn.Parameter inputs;
     # clone keeps torch's preserve_format, like the zeros_like torch uses for state.
     return [t.detach().clone() for t in leaves]
-
-
-def _kernel_choice(params: list[torch.Tensor]) -> tuple[bool, bool]:
-    """Returns the `(fused, foreach)` pair that torch.optim.AdamW / SGD pick by default.
-
-    Both classes leave `foreach=None, fused=None`, and their functional kernels then
-    call this very torch helper with `differentiable=False, use_fused=False`; calling
-    it ourselves lets us pass the choice explicitly and also know which kernel runs.
-
-    Arguments:
-      params: the tensors the kernel will update.
-    """
-    return _default_to_fused_or_foreach(params, differentiable=False, use_fused=False)

@@ -1,4 +1,4 @@
-"""SGD (with optional momentum / Nesterov) as a pair of pure functions over torch's kernel."""
+"""SGD (with optional momentum / Nesterov) as pure functions mirroring torch's kernel."""
 
 from __future__ import annotations
 
@@ -6,17 +6,17 @@ from typing import NamedTuple, Optional
 
 import optree
 import torch
-from torch.optim.sgd import sgd as _torch_sgd
 
+from . import _exact
 from ._base import (
     Grads,
     Optimizer,
     Params,
+    Scalars,
     ScalarOrSchedule,
     _check_like,
     _check_params,
     _clone,
-    _kernel_choice,
     _lr_fn,
 )
 
@@ -30,13 +30,13 @@ class SGDState(NamedTuple):
     whole state is a pytree of tensors that can be sharded like params.
     """
 
-    # Number of updates applied so far: a 0-d int64 CPU tensor. It feeds the lr
-    # schedule and tells the first update apart, on which torch builds the momentum
-    # buffer from the gradient instead of decaying an existing one.
+    # Number of updates applied so far: a 0-d int64 CPU tensor. `scalars` reads it for
+    # the lr schedule and to tell the first update apart, on which torch builds the
+    # momentum buffer from the gradient instead of decaying an existing one.
     count: torch.Tensor
     # Momentum buffers (same structure, shapes and dtypes as params) when
     # `momentum != 0`, otherwise None (an empty pytree node). Zeros until the first
-    # update, whose kernel call ignores them: torch has no buffer at that point.
+    # update, which ignores them: torch has no buffer at that point.
     momentum_buffer: Optional[Params]
 
 
@@ -51,9 +51,34 @@ def sgd(
 ) -> Optimizer:
     """Stochastic gradient descent, bit-identical to `torch.optim.SGD`.
 
-    `update` clones params and momentum buffers, then runs `torch.optim.sgd.sgd` on
-    the clones, exactly as `torch.optim.SGD.step` does, with the foreach/fused choice
-    torch makes by default (on CPU: the single-tensor kernel).
+    The update is torch's single-tensor SGD kernel (`torch.optim.sgd._single_tensor_sgd`,
+    what `torch.optim.SGD.step` runs on CPU) transcribed op for op, with the values that
+    change from step to step taken from tensors instead of Python values, so that the
+    update can be traced once and replayed:
+
+    * `scalars(state)` (eager, Python): with `count = state.count.item()` (updates
+      already applied) and `lr` the schedule's value at `count`, returns 0-d float64
+      CPU tensors holding:
+
+        - "lr": `lr` (not read by `apply`; there for logging).
+        - "neg_lr": `-lr`, the `alpha` of torch's final `param.add_(grad, alpha=-lr)`.
+        - "first": 1.0 on the first update (`count == 0`), else 0.0. torch creates the
+          momentum buffer on the first step as a copy of the (decayed, possibly negated)
+          gradient instead of decaying an existing buffer; `apply` selects between the
+          two with `torch.where(first, grad, buf.mul(momentum).add(grad, alpha=1 -
+          dampening))` rather than branching on the count.
+
+    * `apply(grads, state, params, scalars)` (traceable): tensor ops only, consuming the
+      scalars above as tensors; `momentum`, `dampening`, `weight_decay`, `nesterov` and
+      `maximize` never change and are baked in as Python constants. The new `count` is
+      `state.count + 1`. `param.add_(grad, alpha=-lr)` becomes its exact tensor form
+      (`param.addcmul_(grad, neg_lr)` for float32/float64/complex; for bfloat16/float16
+      torch's vectorized and scalar-tail roundings are reproduced slice by slice, see
+      `functional_shard/optim/_exact.py`).
+    * `update(grads, state, params)` is `apply(grads, state, params, scalars(state))`.
+
+    Results match torch.optim.SGD bit for bit on CPU for float32, float64, complex and
+    (contiguous) bfloat16/float16 params.
 
     Arguments:
       lr: learning rate. Either a non-negative float, or a schedule: a callable
@@ -81,6 +106,7 @@ def sgd(
     if nesterov and (momentum <= 0 or dampening != 0):
         raise ValueError("Nesterov momentum requires a momentum and zero dampening")
     use_momentum = momentum != 0
+    _exact.warm_up()
 
     def init(params: Params) -> SGDState:
         _check_params(params)
@@ -94,7 +120,18 @@ def sgd(
             momentum_buffer=buffers,
         )
 
-    def update(grads: Grads, state: SGDState, params: Params) -> tuple[Params, SGDState]:
+    def scalars(state: SGDState) -> Scalars:
+        count = int(state.count.item())
+        step_lr = lr_fn(count)
+        return {
+            "lr": _exact.scalar(step_lr),
+            "neg_lr": _exact.scalar(-step_lr),
+            "first": _exact.scalar(1.0 if count == 0 else 0.0),
+        }
+
+    def apply(
+        grads: Grads, state: SGDState, params: Params, scalars: Scalars
+    ) -> tuple[Params, SGDState]:
         accessors, p_leaves, spec = _check_params(params)
         g_leaves = _check_like("grads", grads, accessors, p_leaves, spec)
         if use_momentum:
@@ -103,46 +140,47 @@ def sgd(
             buf_leaves = _check_like(
                 "state.momentum_buffer", state.momentum_buffer, accessors, p_leaves, spec
             )
+        else:
+            buf_leaves = [None] * len(p_leaves)
+        neg_lr = scalars["neg_lr"]
+        first = scalars["first"] != 0 if use_momentum else None
 
-        count = int(state.count.item())
-        step_lr = lr_fn(count)
+        def step_leaf(param, grad, buf):
+            # torch's loop body for one parameter. `param` is our private clone, updated
+            # in place; 0-d leaves are viewed as shape (1,) so the 0-d float64 scalars
+            # lose type promotion to them (_exact).
+            param, grad = _exact.as_1d(param), _exact.as_1d(grad)
+            if maximize:
+                grad = -grad
+            if weight_decay != 0:
+                grad = grad.add(param, alpha=weight_decay)
+            new_buf = None
+            if buf is not None:
+                # First step: torch sets `buf = grad.detach().clone()`; later steps:
+                # `buf.mul_(momentum).add_(grad, alpha=1 - dampening)`. Both computed,
+                # the right one selected, so no branch depends on the count.
+                decayed = _exact.as_1d(buf).mul(momentum).add(grad, alpha=1 - dampening)
+                new_buf = torch.where(_exact.on_device(first, decayed), grad, decayed)
+                grad = grad.add(new_buf, alpha=momentum) if nesterov else new_buf
+            # param.add_(grad, alpha=-lr)
+            _exact.add_scaled_(param, grad, neg_lr)
+            return new_buf
 
         with torch.no_grad():
             new_p = _clone(p_leaves)
-            if not use_momentum:
-                bufs = []
-            elif count == 0:
-                # torch creates each buffer lazily as `grad.detach().clone()` (after
-                # weight decay / maximize); handing it None reproduces that exactly.
-                bufs = [None] * len(new_p)
-            else:
-                bufs = _clone(buf_leaves)
-            fused, foreach = _kernel_choice(new_p)
-            if fused or foreach:
-                # torch's multi-tensor kernel can write into the grads it was given
-                # (Nesterov without weight decay or maximize); only the single-tensor
-                # kernel, torch's CPU default, is read-only on them.
-                g_leaves = _clone(g_leaves)
-            # The kernel fills None entries of this list with the new buffers.
-            _torch_sgd(
-                new_p,
-                list(g_leaves),
-                bufs,
-                has_sparse_grad=False,
-                foreach=foreach,
-                fused=fused,
-                weight_decay=weight_decay,
-                momentum=momentum,
-                lr=step_lr,
-                dampening=dampening,
-                nesterov=nesterov,
-                maximize=maximize,
-            )
+            new_bufs = []
+            for p, g, buf, orig in zip(new_p, g_leaves, buf_leaves, p_leaves):
+                new_buf = step_leaf(p, g.detach(), None if buf is None else buf.detach())
+                if new_buf is not None:
+                    new_bufs.append(new_buf.reshape(orig.shape))
             new_count = state.count.detach() + 1
 
-        new_buffers = optree.tree_unflatten(spec, bufs) if use_momentum else None
+        new_buffers = optree.tree_unflatten(spec, new_bufs) if use_momentum else None
         return optree.tree_unflatten(spec, new_p), SGDState(
             count=new_count, momentum_buffer=new_buffers
         )
 
-    return Optimizer(init=init, update=update)
+    def update(grads: Grads, state: SGDState, params: Params) -> tuple[Params, SGDState]:
+        return apply(grads, state, params, scalars(state))
+
+    return Optimizer(init=init, update=update, scalars=scalars, apply=apply)
