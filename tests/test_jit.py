@@ -234,3 +234,30 @@ def compiled_matches(mesh):
 
 def test_compile_matches_to_fp32_rounding(local_world):
     assert all(local_world(2).run(compiled_matches))
+
+
+def donation(mesh):
+    """donate=True: same bits, the old state is used up, and no copy of params/state is made."""
+    out = {}
+    for trace in (False, True):
+        reference, _, _ = run_steps(mesh, "gpt", fs.Schedule(trace=trace))
+        step, params = make_step(mesh, "gpt", fs.Schedule(trace=trace))
+        step = fs.sharded_step(step.loss_fn, mesh, optimizer=step.optimizer, schedule=step.schedule, donate=True)
+        state = step.init(params)
+        first = state
+        for i in range(STEPS):
+            before = [t.data_ptr() for t in fs._tree.flatten(state.opt_state)[0] if t.numel() > 1]
+            state, _ = step(state, local_batch(global_batch("gpt", mesh.world_size, i), mesh.rank))
+            after = [t.data_ptr() for t in fs._tree.flatten(state.opt_state)[0] if t.numel() > 1]
+            out[f"in place {trace}"] = out.get(f"in place {trace}", True) and before == after
+        out[f"same bits {trace}"] = all(
+            torch.equal(a, b) for a, b in zip(fs._tree.flatten(state)[0], fs._tree.flatten(reference)[0])
+        )
+        with pytest.raises(fs.StepError, match="donated"):
+            step(first, local_batch(global_batch("gpt", mesh.world_size, 0), mesh.rank))
+    return out
+
+
+def test_donated_state_is_updated_in_place_with_the_same_bits(local_world):
+    for report in local_world(2).run(donation):
+        assert all(report.values()), report

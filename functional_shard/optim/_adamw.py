@@ -147,7 +147,7 @@ def adamw(
         }
 
     def apply(
-        grads: Grads, state: AdamWState, params: Params, scalars: Scalars
+        grads: Grads, state: AdamWState, params: Params, scalars: Scalars, *, inplace: bool = False
     ) -> tuple[Params, AdamWState]:
         accessors, p_leaves, spec = _check_params(params)
         g_leaves = _check_like("grads", grads, accessors, p_leaves, spec)
@@ -196,10 +196,10 @@ def adamw(
             _exact.addcdiv_scaled_(param, exp_avg, denom, neg_step_size)
 
         with torch.no_grad():
-            new_p = _clone(p_leaves)
-            new_m = _clone(m_leaves)
-            new_v = _clone(v_leaves)
-            new_vmax = _clone(vmax_leaves) if amsgrad else vmax_leaves
+            new_p = _clone(p_leaves, inplace)
+            new_m = _clone(m_leaves, inplace)
+            new_v = _clone(v_leaves, inplace)
+            new_vmax = _clone(vmax_leaves, inplace) if amsgrad else vmax_leaves
             for leaves in zip(new_p, g_leaves, new_m, new_v, new_vmax):
                 step_leaf(*leaves)
             new_count = state.count.detach() + 1

@@ -76,7 +76,9 @@ class Optimizer(NamedTuple):
         `make_fx(..., tracing_mode="fake")`) and replayed every step: tensor ops only,
         no `.item()`, no branching on tensor values; the per-step values come in as the
         `scalars` tensors, while hyperparameters that never change are baked in as
-        Python constants. It never mutates its inputs.
+        Python constants. It never mutates its inputs, unless called with
+        `inplace=True`: then the caller donates `params` and the state's tensors, and
+        the update overwrites them (as `torch.optim` does) instead of copying them.
     """
 
     init: InitFn
@@ -189,7 +191,8 @@ def _check_like(
     return leaves
 
 
-def _clone(leaves: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+def _clone(leaves: Sequence[torch.Tensor], inplace: bool = False) -> list[torch.Tensor]:
     # detach: outputs must not join the autograd graph of nn.Parameter inputs;
     # clone keeps torch's preserve_format, like the zeros_like torch uses for state.
-    return [t.detach().clone() for t in leaves]
+    # inplace: the caller donates these tensors, so the update may overwrite them.
+    return [t.detach() if inplace else t.detach().clone() for t in leaves]

@@ -130,7 +130,7 @@ def sgd(
         }
 
     def apply(
-        grads: Grads, state: SGDState, params: Params, scalars: Scalars
+        grads: Grads, state: SGDState, params: Params, scalars: Scalars, *, inplace: bool = False
     ) -> tuple[Params, SGDState]:
         accessors, p_leaves, spec = _check_params(params)
         g_leaves = _check_like("grads", grads, accessors, p_leaves, spec)
@@ -167,7 +167,7 @@ def sgd(
             return new_buf
 
         with torch.no_grad():
-            new_p = _clone(p_leaves)
+            new_p = _clone(p_leaves, inplace)
             new_bufs = []
             for p, g, buf, orig in zip(new_p, g_leaves, buf_leaves, p_leaves):
                 new_buf = step_leaf(p, g.detach(), None if buf is None else buf.detach())
