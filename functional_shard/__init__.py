@@ -12,6 +12,7 @@ from . import testing as testing
 from ._export import export as export
 from ._functionalize import functionalize as functionalize
 from ._launch import RankError as RankError
+from ._launch import keep_freed_memory as keep_freed_memory
 from ._launch import launch as launch
 from ._layout import BufferSpec as BufferSpec
 from ._layout import Layout as Layout
@@ -57,6 +58,7 @@ __all__ = [
     "functionalize",
     "gather",
     "init_mesh",
+    "keep_freed_memory",
     "launch",
     "optim",
     "reduce_scatter",

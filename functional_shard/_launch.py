@@ -20,7 +20,37 @@ import torch
 
 from ._mesh import _free_port
 
-__all__ = ["launch", "RankError"]
+__all__ = ["launch", "RankError", "keep_freed_memory"]
+
+
+def keep_freed_memory() -> bool:
+    """Make this process's C allocator keep freed memory for reuse instead of returning it
+    to the operating system (glibc only; returns whether it could).
+
+    A sharded step allocates and frees full-size unit buffers (gathered parameters, their
+    gradients) every step. glibc serves blocks above 128 KiB with fresh `mmap`s, so each
+    one is page-faulted in again: on CPU that made a step ~50% slower than the same
+    computation on reused memory. `fs.launch` calls this in every rank it starts; under
+    torchrun, call it first thing in `main` (or set `MALLOC_MMAP_THRESHOLD_` and
+    `MALLOC_TRIM_THRESHOLD_`). Peak memory is unchanged; the process keeps its peak.
+    """
+    import ctypes
+    import ctypes.util
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+    # The largest values glibc accepts: allocations up to 32 MiB (64-bit max) come from the
+    # heap, and the heap's top is never trimmed.
+    ok = mallopt(M_MMAP_THRESHOLD, 32 * 2**20) == 1
+    ok = mallopt(M_TRIM_THRESHOLD, 2**31 - 1) == 1 and ok
+    return ok
 
 
 class RankError(RuntimeError):
@@ -63,9 +93,15 @@ def _report_error(conn, error: BaseException) -> None:
     conn.send(("error", summary, traceback.format_exc()))
 
 
-def _run_rank(rank: int, world_size: int, port: int, conn, main: Callable, args: tuple, kwargs: dict, threads: int):
+def _start_rank(rank: int, world_size: int, port: int, threads: int) -> None:
+    """What every rank of a local world does first."""
     os.environ.update(_environment(rank, world_size, port))
     torch.set_num_threads(threads)
+    keep_freed_memory()
+
+
+def _run_rank(rank: int, world_size: int, port: int, conn, main: Callable, args: tuple, kwargs: dict, threads: int):
+    _start_rank(rank, world_size, port, threads)
     try:
         result = main(*args, **kwargs)
         conn.send(("ok", result if rank == 0 else None))

@@ -13,22 +13,20 @@ is called as `fn(mesh, *args, **kwargs)` on every rank; a rank that raises makes
 from __future__ import annotations
 
 import datetime
-import os
 import threading
 import traceback
 from typing import Any, Callable
 
 import torch
 
-from ._launch import RankError, _environment, _Ranks, _report_error, _threads_per_rank
+from ._launch import RankError, _Ranks, _report_error, _start_rank, _threads_per_rank
 from ._mesh import SimulatedMesh, _Rendezvous, init_mesh
 
 __all__ = ["LocalWorld", "SimulatedWorld"]
 
 
 def _serve(rank: int, world_size: int, port: int, conn, axes: dict[str, int], collective_timeout: float, threads: int):
-    os.environ.update(_environment(rank, world_size, port))
-    torch.set_num_threads(threads)
+    _start_rank(rank, world_size, port, threads)
     try:
         mesh = init_mesh(axes, timeout=datetime.timedelta(seconds=collective_timeout))
         conn.send(("ok", None))

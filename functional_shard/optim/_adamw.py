@@ -177,7 +177,7 @@ def adamw(
             if maximize:
                 grad = -grad
             if weight_decay != 0:
-                param.mul_(decay)
+                param.mul_(_exact.operand(decay, param))
             if torch.is_complex(param):
                 grad = torch.view_as_real(grad)
                 exp_avg = torch.view_as_real(exp_avg)
@@ -189,9 +189,9 @@ def adamw(
             exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
             if max_exp_avg_sq is not None:
                 torch.maximum(max_exp_avg_sq, exp_avg_sq, out=max_exp_avg_sq)
-                denom = (max_exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+                denom = (max_exp_avg_sq.sqrt() / _exact.operand(bias_correction2_sqrt, exp_avg_sq)).add_(eps)
             else:
-                denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+                denom = (exp_avg_sq.sqrt() / _exact.operand(bias_correction2_sqrt, exp_avg_sq)).add_(eps)
             # param.addcdiv_(exp_avg, denom, value=-step_size)
             _exact.addcdiv_scaled_(param, exp_avg, denom, neg_step_size)
 

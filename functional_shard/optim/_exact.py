@@ -51,7 +51,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["scalar", "as_1d", "on_device", "add_scaled_", "addcdiv_scaled_", "warm_up"]
+__all__ = ["scalar", "operand", "as_1d", "on_device", "add_scaled_", "addcdiv_scaled_", "warm_up"]
 
 # at::internal::GRAIN_SIZE: TensorIterator splits work over threads only above it.
 _GRAIN_SIZE = 32768
@@ -61,6 +61,18 @@ _REDUCED = (torch.bfloat16, torch.float16)
 def scalar(value: float) -> torch.Tensor:
     """A per-step value as the 0-d float64 CPU tensor that `apply` consumes."""
     return torch.tensor(float(value), dtype=torch.float64, device="cpu")
+
+
+def operand(s: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Scalar `s` (0-d float64) as the 0-d operand a kernel on `like` reads it as.
+
+    The CPU kernels cast a float64 scalar to the op-math type of the tensor (float32 for
+    float32, bfloat16 and float16; float64 for float64) before computing, so casting it
+    first gives the same bits, and keeps the op on its vectorized path: a float64 operand
+    against a float32 tensor makes TensorIterator cast element by element (4x slower)."""
+    if like.is_complex():
+        return on_device(s, like)
+    return on_device(s.to(torch.float64 if like.dtype == torch.float64 else torch.float32), like)
 
 
 def as_1d(t: torch.Tensor) -> torch.Tensor:
@@ -141,7 +153,7 @@ def add_scaled_(self: torch.Tensor, other: torch.Tensor, alpha: torch.Tensor) ->
     Returns `self`.
     """
     if self.dtype not in _REDUCED:
-        return self.addcmul_(other, on_device(alpha, self))
+        return self.addcmul_(other, operand(alpha, self))
     dtype = self.dtype
     alpha_dt = on_device(alpha.to(torch.float32).to(dtype), self)  # Scalar.to<scalar_t>()
     tails = []
@@ -172,5 +184,5 @@ def addcdiv_scaled_(
     """
     if self.dtype in _REDUCED:
         # Upcast, evaluate in float, round once (copy_ rounds like .to(dtype)).
-        return self.copy_(self.float() + (t1.float() * value) / t2.float())
-    return self.add_((t1 * value) / t2)
+        return self.copy_(self.float() + (t1.float() * operand(value, self)) / t2.float())
+    return self.add_((t1 * operand(value, self)) / t2)
