@@ -383,6 +383,7 @@ class ShardedStep:
             run=run,
             num_outputs=num_outputs,
             aux_spec=aux_spec_box[0] if aux_spec_box else None,
+            layout=layout,
         )
 
 

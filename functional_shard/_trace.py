@@ -50,6 +50,8 @@ class CompiledStep:
     run: Callable
     num_outputs: dict
     aux_spec: Any
+    # The signature holds id(layout); holding the layout keeps that id from being reused.
+    layout: Any = None
 
     def explain(self) -> str:
         return schedule_lib.explain(self.events, title=f"schedule of {describe_signature(self.signature)}")

@@ -181,17 +181,17 @@ def collectives(gm: fx.GraphModule) -> list[Collective]:
     return out
 
 
+def _schema(node: fx.Node):
+    """The schema of the op a node calls; None for placeholders, Python functions, getitem."""
+    return getattr(node.target, "_schema", None) if node.op == "call_function" else None
+
+
 def _is_view(node: fx.Node) -> bool:
-    if node.op != "call_function":
-        return False
-    if node.target is operator.getitem:
+    """Its output aliases an input without writing it (view, t, split, getitem of a split)."""
+    if node.op == "call_function" and node.target is operator.getitem:
         return True
-    schema = getattr(node.target, "_schema", None)
-    if schema is None:
-        return False
-    return any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns) or any(
-        r.alias_info is not None for r in schema.returns if str(r.type).startswith("List")
-    )
+    schema = _schema(node)
+    return schema is not None and any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
 
 
 def aliases(wait: fx.Node) -> list[fx.Node]:
@@ -222,12 +222,10 @@ def move_before(nodes: Iterable[fx.Node], anchor: fx.Node) -> None:
 
 
 def _is_pure(node: fx.Node) -> bool:
-    """A call that writes none of its inputs: moving it changes no value."""
-    if node.op != "call_function":
-        return False
-    if node.target is operator.getitem:
+    """A call that writes none of its inputs and is no collective: moving it changes no value."""
+    if node.op == "call_function" and node.target is operator.getitem:
         return True
-    schema = getattr(node.target, "_schema", None)
+    schema = _schema(node)
     return schema is not None and not schema.is_mutable and node.target not in ISSUE_OPS and node.target is not WAIT_OP
 
 
