@@ -75,7 +75,10 @@ def main(config: TrainConfig) -> dict[str, float | str]:
         logits = apply_fn(params, inputs)
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
-    step = fs.sharded_step(loss_fn, mesh, optimizer=fs.optim.adamw(lr=config.lr, weight_decay=config.weight_decay))
+    # donate=True: each step updates the state's shards in place (the old state is used up).
+    step = fs.sharded_step(
+        loss_fn, mesh, optimizer=fs.optim.adamw(lr=config.lr, weight_decay=config.weight_decay), donate=True
+    )
     state = step.init(params)
 
     # A different stream per rank, so the ranks together see world_size times as much data per step.
@@ -128,6 +131,7 @@ if __name__ == "__main__":
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         # torchrun started this process as one rank: run it here, the world size is torchrun's.
         config = replace(config, world_size=int(os.environ["WORLD_SIZE"]))
+        fs.keep_freed_memory()  # fs.launch does this in the ranks it starts
         result = main(config)
         # fs.launch tears the process group down itself; under torchrun that is the script's job.
         torch.distributed.destroy_process_group()
