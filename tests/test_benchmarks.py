@@ -1,0 +1,122 @@
+"""The benchmark harness (benchmarks/compare.py) end to end, on its smallest configuration.
+
+One run of `--quick --models mlp` (world size 2, MLP, batch 8 per rank, 5 timed steps; about
+20 s on 2 cores), then checks on what it wrote. Nothing here asserts on timings: the test
+machine's speed is not the library's behaviour.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+BENCHMARKS = REPO / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+from _arms import ARMS, COMPUTE, DDP, FS_DEFAULT, FS_KEEP, FS_PREFETCH0, FSDP2_ARMS  # noqa: E402
+from _report import DOCS_BEGIN, DOCS_END, write_docs  # noqa: E402
+
+WORLD_SIZE = 2
+STEPS = 5
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("bench") / "run"
+    command = [sys.executable, str(BENCHMARKS / "compare.py"), "--quick", "--models", "mlp", "--out", str(out)]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, f"compare.py failed:\n{done.stdout}\n{done.stderr}"
+    return out
+
+
+@pytest.fixture(scope="module")
+def result(run_dir) -> dict:
+    return json.loads((run_dir / "results.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def record(result) -> dict:
+    (only,) = result["records"]
+    return only
+
+
+def test_json_has_every_arm_with_every_figure(result, record):
+    assert result["machine"]["cores"] >= 1 and result["machine"]["cpu_model"]
+    assert result["config"]["world_sizes"] == [WORLD_SIZE]
+    assert isinstance(result["fs_donate"], bool)
+    assert (record["model"], record["world_size"], record["batch_size"]) == ("mlp", WORLD_SIZE, 8)
+    assert set(record["arms"]) == set(ARMS)
+    for name, arm in record["arms"].items():
+        assert len(arm["times_s"]) == STEPS and all(t > 0 for t in arm["times_s"]), name
+        assert arm["median_ms"] > 0 and arm["iqr_ms"] >= 0, name
+        assert len(arm["peak_bytes_per_rank"]) == WORLD_SIZE and min(arm["peak_bytes_per_rank"]) > 0, name
+        assert arm["ratio_fsdp2_best"] > 0 and arm["ratio_ddp"] > 0, name
+        assert arm["bytes_source"], name
+    assert record["arms"][COMPUTE]["exposed_comm_ms"] == 0
+    assert record["activation_bytes"] > 0
+
+
+def test_fs_bytes_match_theory(record):
+    """With resharding every unit is gathered twice (forward, backward) and reduce-scattered once:
+    all-gather = 2 x reduce-scatter; without, once each. The full buffers are Ψ×4 bytes plus the
+    padding that makes each unit divisible by the world size."""
+    psi_bytes = 4 * record["psi"]
+    padded = record["fs_layout"]["padded_bytes"]
+    # Padding: at most world_size - 1 elements per buffer.
+    assert psi_bytes <= padded <= psi_bytes + 4 * (WORLD_SIZE - 1) * record["fs_layout"]["buffers"]
+    for name in (FS_DEFAULT, FS_PREFETCH0):
+        arm = record["arms"][name]
+        assert arm["reduce_scatter_bytes"] == padded, name
+        assert abs(arm["all_gather_bytes"] - 2 * arm["reduce_scatter_bytes"]) <= padded - psi_bytes, name
+        assert abs(arm["all_gather_bytes"] + arm["reduce_scatter_bytes"] - 3 * psi_bytes) <= 3 * (padded - psi_bytes)
+    keep = record["arms"][FS_KEEP]
+    assert keep["all_gather_bytes"] == keep["reduce_scatter_bytes"] == padded
+
+
+def test_torch_arms_bytes(record):
+    for name in FSDP2_ARMS:
+        arm = record["arms"][name]
+        # Counted on a real step, equal to the theory from the sharded parameter sizes.
+        assert arm["counted_all_gather_bytes"] == arm["all_gather_bytes"], name
+        assert arm["counted_reduce_scatter_bytes"] == arm["reduce_scatter_bytes"] >= 4 * record["psi"], name
+    assert record["arms"][DDP]["all_reduce_bytes"] == 4 * record["psi"]
+
+
+def test_every_trained_arm_matches_single_process(record):
+    for name, arm in record["arms"].items():
+        if name == COMPUTE:
+            assert "max_param_diff_rel" not in arm
+        else:
+            assert 0 <= arm["max_param_diff_rel"] < 1e-3, name
+
+
+def test_table_and_chart_are_written(run_dir, result):
+    table = (run_dir / "results.md").read_text()
+    for name in ARMS:
+        assert f"| 8 | {name} |" in table, name
+    assert "Targets" in table
+    chart = (run_dir / "results.png").read_bytes()
+    assert chart[:8] == b"\x89PNG\r\n\x1a\n" and len(chart) > 10_000
+    assert result["targets"] and all(isinstance(t["met"], bool) for t in result["targets"])
+
+
+def test_docs_are_rendered_from_a_run(run_dir, tmp_path):
+    docs, chart = tmp_path / "benchmarks.md", tmp_path / "benchmarks.png"
+    docs.write_text(f"# Benchmarks\n\nbefore\n\n{DOCS_BEGIN}\nplaceholder\n{DOCS_END}\n\nafter\n")
+    write_docs(run_dir, docs, chart)
+    text = docs.read_text()
+    assert "placeholder" not in text and text.startswith("# Benchmarks\n\nbefore") and text.endswith("after\n")
+    assert all(f"| {name} |" in text for name in ARMS)
+    assert chart.read_bytes() == (run_dir / "results.png").read_bytes()
+    write_docs(run_dir, docs, chart)  # again: the markers stay, the content is replaced, not appended
+    assert docs.read_text() == text
+
+
+def test_docs_page_has_the_markers():
+    text = (REPO / "docs" / "benchmarks.md").read_text()
+    assert text.index(DOCS_BEGIN) < text.index(DOCS_END)
