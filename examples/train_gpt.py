@@ -131,7 +131,6 @@ if __name__ == "__main__":
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         # torchrun started this process as one rank: run it here, the world size is torchrun's.
         config = replace(config, world_size=int(os.environ["WORLD_SIZE"]))
-        fs.keep_freed_memory()  # fs.launch does this in the ranks it starts
         result = main(config)
         # fs.launch tears the process group down itself; under torchrun that is the script's job.
         torch.distributed.destroy_process_group()

@@ -97,7 +97,11 @@ def shard(tree: Any, mesh: _MeshBase, *, units: UnitPolicy | None = None) -> Sha
 
     Returns a `Sharded`; `gather` of it gives `tree` back exactly.
     """
-    layout, leaves = make_layout(tree, mesh.num_shards, units=units)
+    return shard_leaves(*make_layout(tree, mesh.num_shards, units=units), mesh)
+
+
+def shard_leaves(layout: Layout, leaves: list[torch.Tensor], mesh: _MeshBase) -> Sharded:
+    """`shard` for a tree already flattened into `leaves` with its `layout`."""
     shards = [layout.shard_of(layout.flatten_buffer(spec, leaves), spec, mesh.shard_index) for spec in layout.buffers]
     return Sharded(layout, mesh, shards, [leaves[i] for i in layout.local])
 

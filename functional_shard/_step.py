@@ -28,7 +28,7 @@ from . import schedule as schedule_lib
 from ._collectives import GatherFlat, TraceTag, gather_bytes
 from ._layout import Layout, UnitPolicy, make_layout
 from ._mesh import _MeshBase
-from ._shard import Sharded, _check_shards, shard
+from ._shard import Sharded, _check_shards, shard_leaves
 from ._tree import NAMESPACE, flatten
 from .optim import Optimizer
 from .schedule import Schedule
@@ -155,9 +155,9 @@ class ShardedStep:
         A collective: every rank must call it. Ranks whose pytrees differ (paths, shapes,
         dtypes) raise `MeshError` naming them, instead of exchanging mismatched buffers.
         """
-        layout, _ = make_layout(params, self.mesh.num_shards, units=self.units)
+        layout, leaves = make_layout(params, self.mesh.num_shards, units=self.units)
         self.mesh.check_same("the parameter pytree (paths, shapes, dtypes, units)", layout.signature())
-        sharded = shard(params, self.mesh, units=self.units)
+        sharded = shard_leaves(layout, leaves, self.mesh)
         opt_state = self.optimizer.init(_trainable(sharded))
         return StepState(sharded, opt_state, 0, self._key)
 
@@ -170,7 +170,7 @@ class ShardedStep:
         `local_loss`, this rank's; `aux`, what `loss_fn` returned besides the loss (with
         `has_aux=True`); `all_gather_bytes` / `reduce_scatter_bytes`, bytes of the full
         buffers the step's collectives moved. `state` is never modified, whether the step
-        succeeds or raises.
+        succeeds or raises, unless the step was made with `donate=True`.
         """
         self._check_state(state)
         sharded = state.params

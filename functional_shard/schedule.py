@@ -33,6 +33,7 @@ __all__ = [
     "reshard_after_forward",
     "prefetch",
     "late_reduce_scatter_waits",
+    "bucket_gathers",
     "analyze",
     "explain",
     "max_units_alive",
@@ -67,6 +68,10 @@ class Schedule:
         reduce_scatters_in_flight: None waits each reduce-scatter as late as possible (right
             before the optimizer reads its result); an int k waits it once k later ones have
             been issued, which bounds how many full-size gradients are alive at once.
+        bucket_bytes: 0 gathers each unit with its own collective; more merges the all-gathers
+            of units next to each other in issue order (same pass, same dtype) into one
+            collective of at most this many bytes (full buffers): fewer, larger messages for
+            many small units. Bits are unchanged (an all-gather only moves data).
         passes: extra passes `GraphModule -> GraphModule`, run after the built-in ones.
         compile: hand the scheduled graph to `torch.compile` (inductor); results then agree
             with the eager reference to fp32 rounding instead of bit for bit.
@@ -77,6 +82,7 @@ class Schedule:
     reshard_after_forward: bool | dict = True
     default_reshard: bool = True
     reduce_scatters_in_flight: int | None = None
+    bucket_bytes: int = 0
     passes: tuple[Pass, ...] = ()
     compile: bool = False
 
@@ -86,6 +92,8 @@ class Schedule:
         if isinstance(self.reshard_after_forward, dict):
             # Frozen dataclasses should hold hashable values: keep the mapping as sorted pairs.
             object.__setattr__(self, "reshard_after_forward", _FrozenMapping(self.reshard_after_forward))
+        if not isinstance(self.bucket_bytes, int) or self.bucket_bytes < 0:
+            raise ValueError(f"Schedule.bucket_bytes must be an int >= 0; got {self.bucket_bytes!r}")
         if self.reduce_scatters_in_flight is not None and self.reduce_scatters_in_flight < 1:
             raise ValueError("Schedule.reduce_scatters_in_flight must be None or >= 1")
         object.__setattr__(self, "passes", tuple(self.passes))
@@ -147,9 +155,16 @@ class Collective:
     phase: str
     nbytes: int
 
+    def members(self) -> list[tuple[str, str, fx.Node, int]]:
+        """(buffer, unit, node its views start from, bytes) of each buffer it moves: one, or
+        several for a bucket (`bucket_gathers`)."""
+        return self.issue.meta.get("fs_members") or [(self.buffer, self.unit, self.wait, self.nbytes)]
+
 
 def _full_nbytes(node: fx.Node, kind: str) -> int:
     """Bytes of the full buffer: the all-gather's output, the reduce-scatter's input."""
+    if "fs_nbytes" in node.meta:  # made by a pass (a bucket), not by the trace
+        return node.meta["fs_nbytes"]
     value = (node if kind == "all_gather" else node.args[0]).meta.get("val")
     if not isinstance(value, torch.Tensor):
         return 0
@@ -391,11 +406,77 @@ def late_reduce_scatter_waits(gm: fx.GraphModule, *, in_flight: int | None = Non
     return gm
 
 
+def bucket_gathers(gm: fx.GraphModule, *, bucket_bytes: int) -> fx.GraphModule:
+    """Merge all-gathers of the same pass and dtype, next to each other in issue order, into
+    buckets of at most `bucket_bytes` (full buffers): one collective gathers the concatenated
+    shards, issued where the first member was, waited where the first member was waited; each
+    member's full buffer is then copied out of the rank-major result, and its readers read the
+    copy. Members are recorded in `meta["fs_members"]`, so `analyze` reports them one by one."""
+    if bucket_bytes <= 0:
+        return gm
+    aten = torch.ops.aten
+    for phase in ("forward", "backward"):
+        gathers = [c for c in collectives(gm) if c.kind == "all_gather" and c.phase == phase]
+        buckets: list[list[Collective]] = []
+        for c in gathers:
+            last = buckets[-1] if buckets else None
+            fits = (
+                last is not None
+                and sum(m.nbytes for m in last) + c.nbytes <= bucket_bytes
+                and c.issue.args[1:] == last[0].issue.args[1:]
+                and c.issue.args[0].meta["val"].dtype == last[0].issue.args[0].meta["val"].dtype
+                and not c.issue.meta.get("fs_members")
+            )
+            if fits:
+                last.append(c)
+            else:
+                buckets.append([c])
+        for bucket in buckets:
+            if len(bucket) > 1:
+                _merge_gathers(gm, bucket, aten)
+    gm.graph.lint()
+    return gm
+
+
+def _merge_gathers(gm: fx.GraphModule, bucket: list[Collective], aten) -> None:
+    position = _positions(gm)
+    shards = [c.issue.args[0] for c in bucket]
+    lengths = [s.meta["val"].numel() for s in shards]
+    num_shards = bucket[0].issue.args[1]
+    first_issue = min((c.issue for c in bucket), key=position.__getitem__)
+    first_wait = min((c.wait for c in bucket), key=position.__getitem__)
+    with gm.graph.inserting_before(first_issue):
+        joined = gm.graph.call_function(aten.cat.default, (shards,))
+        issue = gm.graph.call_function(bucket[0].issue.target, (joined, *bucket[0].issue.args[1:]))
+    with gm.graph.inserting_before(first_wait):
+        wait = gm.graph.call_function(WAIT_OP, (issue,))
+        rows = gm.graph.call_function(aten.view.default, (wait, [num_shards, sum(lengths)]))
+        members, offset = [], 0
+        for c, length in zip(bucket, lengths):
+            part = gm.graph.call_function(aten.slice.Tensor, (rows, 1, offset, offset + length))
+            copy = gm.graph.call_function(aten.clone.default, (part,), {"memory_format": torch.contiguous_format})
+            full = gm.graph.call_function(aten.view.default, (copy, [num_shards * length]))
+            c.wait.replace_all_uses_with(full)
+            members.append((c.buffer, c.unit, full, c.nbytes))
+            offset += length
+    for c in bucket:
+        gm.graph.erase_node(c.wait)
+        gm.graph.erase_node(c.issue)
+    issue.meta.update(
+        fs_buffer="+".join(m[0] for m in members),
+        fs_unit="+".join(dict.fromkeys(m[1] for m in members)),
+        fs_phase=bucket[0].phase,
+        fs_members=members,
+        fs_nbytes=sum(m[3] for m in members),
+    )
+
+
 def apply_schedule(gm: fx.GraphModule, schedule: Schedule) -> fx.GraphModule:
     """The built-in passes a `Schedule` asks for, then its own passes; recompiles `gm`."""
     gm = reshard_after_forward(gm, reshard=schedule.reshards)
     gm = prefetch(gm, distance=schedule.prefetch)
     gm = late_reduce_scatter_waits(gm, in_flight=schedule.reduce_scatters_in_flight)
+    gm = bucket_gathers(gm, bucket_bytes=schedule.bucket_bytes)
     for user_pass in schedule.passes:
         result = user_pass(gm)
         gm = gm if result is None else result
@@ -414,17 +495,16 @@ def analyze(gm: fx.GraphModule) -> list[ScheduleEvent]:
     events = []
     for c in collectives(gm):
         prefix = {"all_gather": "gather", "reduce_scatter": "reduce_scatter", "all_reduce": "all_reduce"}[c.kind]
+        for buffer, unit, root, nbytes in c.members():
 
-        def event(kind: str, node: fx.Node) -> ScheduleEvent:
-            return ScheduleEvent(position[node], c.unit, c.buffer, kind, c.phase, node.name, c.nbytes)
+            def event(kind: str, node: fx.Node) -> ScheduleEvent:
+                return ScheduleEvent(position[node], unit, buffer, kind, c.phase, node.name, nbytes)
 
-        events.append(event(f"{prefix}_issued", c.issue))
-        events.append(event(f"{prefix}_waited", c.wait))
-        if c.kind == "all_gather":
-            alias_list = aliases(c.wait)
-            readers = uses(c.wait)
-            last = max(readers + alias_list, key=position.__getitem__)
-            events.append(event("freed", last))
+            events.append(event(f"{prefix}_issued", c.issue))
+            events.append(event(f"{prefix}_waited", c.wait))
+            if c.kind == "all_gather":
+                last = max(uses(root) + aliases(root), key=position.__getitem__)
+                events.append(event("freed", last))
     return sorted(events, key=lambda e: (e.position, e.event))
 
 

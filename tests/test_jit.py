@@ -261,3 +261,33 @@ def donation(mesh):
 def test_donated_state_is_updated_in_place_with_the_same_bits(local_world):
     for report in local_world(2).run(donation):
         assert all(report.values()), report
+
+
+def bucketing(mesh, model_name):
+    reference, _, _ = run_steps(mesh, model_name, fs.Schedule(trace=False))
+    plain_state, plain_metrics, plain = run_steps(mesh, model_name, fs.Schedule())
+    unit_bytes = max(b.nbytes for b in plain_state.params.layout.buffers)
+    out = {}
+    for bucket_bytes in (2 * unit_bytes, 1 << 40):
+        state, metrics, step = run_steps(mesh, model_name, fs.Schedule(bucket_bytes=bucket_bytes))
+        gm = step.cache[next(iter(step.cache))].graph_module
+        gathers = [c for c in fs.schedule.collectives(gm) if c.kind == "all_gather"]
+        out[bucket_bytes] = {
+            "same bits": all(torch.equal(a, b) for a, b in zip(fs._tree.flatten(state)[0], fs._tree.flatten(reference)[0])),
+            "same bytes": metrics["all_gather_bytes"] == plain_metrics["all_gather_bytes"],
+            "gathers": len(gathers),
+            "unbucketed gathers": len([c for c in fs.schedule.collectives(plain.cache[next(iter(plain.cache))].graph_module) if c.kind == "all_gather"]),
+            "units in events": sorted({e.unit for e in step.schedule_events if e.event == "freed"}),
+            "units unbucketed": sorted({e.unit for e in plain.schedule_events if e.event == "freed"}),
+        }
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_bucketed_gathers_are_bit_identical_and_fewer(local_world, world_size):
+    for report in local_world(world_size).run(bucketing, "gpt"):
+        for bucket_bytes, r in report.items():
+            assert r["same bits"] and r["same bytes"], (bucket_bytes, r)
+            assert r["units in events"] == r["units unbucketed"], r
+            assert r["gathers"] < r["unbucketed gathers"], r
+        assert report[1 << 40]["gathers"] == 2  # one bucket for the forward, one for the backward
