@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import shlex
 import sys
 import time
@@ -83,6 +84,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--write-docs", action="store_true", help="after the run, put it into docs/benchmarks.md")
     parser.add_argument("--docs-from", type=Path, metavar="DIR", help="run nothing: put the run in DIR into docs/benchmarks.md")
+    parser.add_argument(
+        "--merge", type=Path, nargs="+", metavar="DIR",
+        help="run nothing: join the runs in these folders (e.g. one per world size) into --out",
+    )
     return parser.parse_args(argv)
 
 
@@ -130,12 +135,33 @@ def build_result(name: str, command: str, plan: Plan, world_sizes, records: list
     return result
 
 
+def merge(run_dirs: list[Path], out: Path) -> None:
+    """One result from several runs of the same plan (separate launches, e.g. one per world
+    size, so that a rank that dies in one does not lose the others): records joined, targets
+    computed again over all of them."""
+    runs = [json.loads((d / "results.json").read_text()) for d in run_dirs]
+    result = dict(runs[0])
+    result["name"] = "+".join(r["name"] for r in runs)
+    result["command"] = " ; ".join(r["command"] for r in runs)
+    result["elapsed_s"] = sum(r["elapsed_s"] for r in runs)
+    result["config"] = dict(runs[0]["config"], world_sizes=[w for r in runs for w in r["config"]["world_sizes"]])
+    result["records"] = [record for r in runs for record in r["records"]]
+    result["targets"] = targets(result["records"])
+    paths = write_outputs(result, out)
+    print(render_tables(result))
+    print(render_targets(result))
+    print("wrote " + ", ".join(str(p) for p in paths.values()))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     docs, chart = REPO / "docs" / "benchmarks.md", REPO / "docs" / "benchmarks.png"
     if args.docs_from is not None:
         write_docs(args.docs_from, docs, chart)
         print(f"wrote {docs} and {chart} from {args.docs_from}")
+        return 0
+    if args.merge:
+        merge(args.merge, args.out or REPO / "benchmarks" / "results" / "merged")
         return 0
     plan, world_sizes = make_plan(args)
     name = time.strftime("%Y%m%d-%H%M%S") + ("-quick" if args.quick else "")

@@ -34,6 +34,7 @@ __all__ = [
     "prefetch",
     "late_reduce_scatter_waits",
     "bucket_gathers",
+    "one_collective_in_flight",
     "analyze",
     "explain",
     "max_units_alive",
@@ -471,8 +472,30 @@ def _merge_gathers(gm: fx.GraphModule, bucket: list[Collective], aten) -> None:
     )
 
 
+def one_collective_in_flight(gm: fx.GraphModule) -> fx.GraphModule:
+    """Wait for each collective before the next one is issued (moving waits earlier only).
+
+    gloo runs a process group's collectives on two worker threads that share one context;
+    with two collectives in flight at once, ranks were seen to deadlock inside gloo (one rank
+    spinning in a ring all-reduce's buffer teardown, the other waiting for a later
+    collective), about once in a few thousand steps. With one in flight, the worker threads
+    never run two at once; compute still overlaps the collective in flight. Prefetching k > 1
+    units then means: unit i+k's gather is issued while unit i computes, once unit i+k-1's
+    has arrived."""
+    previous = None
+    for c in collectives(gm):  # graph order of the issues
+        if previous is not None:
+            position = _positions(gm)
+            if position[previous.wait] > position[c.issue]:
+                move_before([previous.wait], c.issue)
+        previous = c
+    gm.graph.lint()
+    return gm
+
+
 def apply_schedule(gm: fx.GraphModule, schedule: Schedule) -> fx.GraphModule:
-    """The built-in passes a `Schedule` asks for, then its own passes; recompiles `gm`."""
+    """The built-in passes a `Schedule` asks for, then its own passes, then (always) one
+    collective in flight at a time; recompiles `gm`."""
     gm = reshard_after_forward(gm, reshard=schedule.reshards)
     gm = prefetch(gm, distance=schedule.prefetch)
     gm = late_reduce_scatter_waits(gm, in_flight=schedule.reduce_scatters_in_flight)
@@ -481,6 +504,7 @@ def apply_schedule(gm: fx.GraphModule, schedule: Schedule) -> fx.GraphModule:
         result = user_pass(gm)
         gm = gm if result is None else result
         gm.graph.lint()
+    gm = one_collective_in_flight(gm)
     gm.recompile()
     return gm
 
