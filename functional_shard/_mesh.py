@@ -171,6 +171,7 @@ class Mesh(_MeshBase):
         self.world_size = dist.get_world_size()
         self.device = torch.device(device_mesh.device_type, torch.cuda.current_device()) if device_mesh.device_type == "cuda" else torch.device("cpu")
         self._group_names = {a: device_mesh.get_group(a).group_name for a in self.axis_names}
+        self._gloo = dist.get_backend() == "gloo"
         self._world_group_name = dist.group.WORLD.group_name
 
     def all_gather_flat(self, shard: torch.Tensor) -> torch.Tensor:
@@ -179,9 +180,16 @@ class Mesh(_MeshBase):
         )
 
     def reduce_scatter_flat(self, full: torch.Tensor) -> torch.Tensor:
-        return _C10D.wait_tensor(
-            _C10D.reduce_scatter_tensor(full, "sum", self.num_shards, self._group_names[self.shard_axis])
-        )
+        group = self._group_names[self.shard_axis]
+        if not self._gloo:
+            return _C10D.wait_tensor(_C10D.reduce_scatter_tensor(full, "sum", self.num_shards, group))
+        # gloo's reduce-scatter (torch 2.13) all-reduces the whole buffer and keeps a slice:
+        # twice the bytes a reduce-scatter needs, and as slow as an all-reduce. An all-to-all
+        # sends each slice straight to the rank that keeps it, which sums the ranks' slices in
+        # rank order (the same order on every run and in every schedule).
+        splits = [full.numel() // self.num_shards] * self.num_shards
+        parts = _C10D.wait_tensor(_C10D.all_to_all_single(full, splits, splits, group))
+        return parts.view(self.num_shards, -1).sum(0)
 
     def all_reduce_flat(self, x: torch.Tensor, axes: tuple[str, ...] | None = None) -> torch.Tensor:
         axes = self.axis_names if axes is None else axes

@@ -44,6 +44,8 @@ _C10D = torch.ops._c10d_functional
 ISSUE_OPS = {
     _C10D.all_gather_into_tensor.default: "all_gather",
     _C10D.reduce_scatter_tensor.default: "reduce_scatter",
+    # On gloo a reduce-scatter is an all-to-all and a local sum (see Mesh.reduce_scatter_flat).
+    _C10D.all_to_all_single.default: "reduce_scatter",
     _C10D.all_reduce.default: "all_reduce",
 }
 WAIT_OP = _C10D.wait_tensor.default

@@ -127,7 +127,8 @@ def gradient_is_reduce_scatter(mesh, tree):
         and all(torch.equal(a, b) for a, b in zip(vjp_grads.shards, expected.shards))
         and all(torch.equal(a, b) for a, b in zip(traced_grads, expected.shards))
         and "_c10d_functional.all_gather_into_tensor.default" in ops
-        and "_c10d_functional.reduce_scatter_tensor.default" in ops
+        # gloo reduce-scatters with an all-to-all and a local sum (Mesh.reduce_scatter_flat)
+        and bool(ops & {"_c10d_functional.reduce_scatter_tensor.default", "_c10d_functional.all_to_all_single.default"})
     )
 
 
