@@ -491,8 +491,24 @@ def one_collective_in_flight(gm: fx.GraphModule) -> fx.GraphModule:
             if position[previous.wait] > position[c.issue]:
                 move_before([previous.wait], c.issue)
         previous = c
+    _finish_local_sums(gm)
     gm.graph.lint()
     return gm
+
+
+def _finish_local_sums(gm: fx.GraphModule) -> None:
+    """Sum a gloo reduce-scatter's received slices right after its wait (Mesh.reduce_scatter_flat:
+    all-to-all, then view + sum): the received buffer is full-size, the sum a shard."""
+    finishing = {torch.ops.aten.view.default, torch.ops.aten.sum.dim_IntList}
+    for c in collectives(gm):
+        if c.issue.target is not _C10D.all_to_all_single.default:
+            continue
+        anchor = c.wait
+        while len(anchor.users) == 1 and next(iter(anchor.users)).target in finishing:
+            user = next(iter(anchor.users))
+            if anchor.next is not user:
+                anchor.append(user)
+            anchor = user
 
 
 def apply_schedule(gm: fx.GraphModule, schedule: Schedule) -> fx.GraphModule:
