@@ -274,7 +274,7 @@ class ShardedStep:
         """One step: (new shards (all), new local leaves, new optimizer state, mean loss, local loss, aux)."""
         grads, local, loss, aux = self._gradients(layout, shards, local, batch, log)
         trainable = {spec.name: s for spec, s in zip(layout.buffers, shards) if spec.trainable}
-        new_trainable, opt_state = self.optimizer.apply(grads, opt_state, trainable, scalars, inplace=self.donate)
+        new_trainable, opt_state = self.optimizer.apply(grads, opt_state, trainable, scalars, inplace=self.donate, mesh=self.mesh)
         new_shards = [new_trainable.get(spec.name, s) for spec, s in zip(layout.buffers, shards)]
         return new_shards, local, opt_state, self._mean_loss(loss), loss, aux
 
