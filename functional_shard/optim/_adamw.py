@@ -7,9 +7,8 @@ from typing import NamedTuple, Optional
 import torch
 from torch.optim.optimizer import _get_scalar_dtype
 
-from .._mesh import _MeshBase
 from . import _exact
-from ._base import Grads, Optimizer, Params, ScalarOrSchedule, Scalars, make_optimizer
+from ._base import Optimizer, Params, ScalarOrSchedule, Scalars, make_optimizer
 from ._blocks import apply_per_leaf, as_schedule, check_params, zeros_like
 
 __all__ = ["AdamWState", "adamw"]
@@ -129,15 +128,7 @@ def adamw(
             "bias_correction2_sqrt": _exact.scalar(bias_correction2_sqrt),
         }
 
-    def apply(
-        grads: Grads,
-        state: AdamWState,
-        params: Params,
-        scalars: Scalars,
-        *,
-        inplace: bool = False,
-        mesh: Optional[_MeshBase] = None,
-    ) -> tuple[Params, AdamWState]:
+    def apply(grads, state, params, scalars, *, inplace=False, mesh=None):  # an ApplyFn
         if amsgrad and state.max_exp_avg_sq is None:
             raise ValueError("state.max_exp_avg_sq is None but amsgrad=True")
         decay = scalars["decay"]

@@ -2,19 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any, Union
 
-from .._mesh import _MeshBase
-from ._base import (
-    GradientTransformation,
-    Grads,
-    Optimizer,
-    OptState,
-    Params,
-    Scalars,
-    make_optimizer,
-    make_transformation,
-)
+from ._base import GradientTransformation, Optimizer, OptState, Params, make_optimizer, make_transformation
 
 __all__ = ["chain"]
 
@@ -69,15 +59,7 @@ def chain(*components: Component) -> Component:
         _check_tuple("state", state, len(components))
         return tuple(c.scalars(s) for c, s in zip(components, state))
 
-    def apply(
-        grads: Grads,
-        state: OptState,
-        params: Params,
-        scalars: Scalars,
-        *,
-        inplace: bool = False,
-        mesh: Optional[_MeshBase] = None,
-    ) -> tuple[Any, tuple]:
+    def apply(grads, state, params, scalars, *, inplace=False, mesh=None):  # an ApplyFn
         _check_tuple("state", state, len(components))
         _check_tuple("scalars", scalars, len(components))
         out, new_states = grads, []

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import optree
 import torch
 
-from .._mesh import _MeshBase
 from . import _exact
-from ._base import EmptyState, GradientTransformation, Params, Scalars, Updates, make_transformation
+from ._base import EmptyState, GradientTransformation, Params, Scalars, make_transformation
 from ._blocks import _check_like, check_params
 from ._global import global_norm
 
@@ -60,15 +58,7 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     def scalars(state: EmptyState) -> Scalars:
         return {}
 
-    def apply(
-        updates: Updates,
-        state: EmptyState,
-        params: Params,
-        scalars: Scalars,
-        *,
-        inplace: bool = False,
-        mesh: Optional[_MeshBase] = None,
-    ) -> tuple[Updates, EmptyState]:
+    def apply(updates, state, params, scalars, *, inplace=False, mesh=None):  # an ApplyFn
         accessors, p_leaves, spec = check_params(params)
         leaves = _check_like("updates", updates, accessors, p_leaves, spec)
         with torch.no_grad():

@@ -6,9 +6,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .._mesh import _MeshBase
 from . import _exact
-from ._base import Grads, Optimizer, Params, ScalarOrSchedule, Scalars, make_optimizer
+from ._base import Optimizer, Params, ScalarOrSchedule, Scalars, make_optimizer
 from ._blocks import apply_per_leaf, as_schedule, check_params, zeros_like
 
 __all__ = ["SGDState", "sgd"]
@@ -113,15 +112,7 @@ def sgd(
             "first": _exact.scalar(1.0 if count == 0 else 0.0),
         }
 
-    def apply(
-        grads: Grads,
-        state: SGDState,
-        params: Params,
-        scalars: Scalars,
-        *,
-        inplace: bool = False,
-        mesh: Optional[_MeshBase] = None,
-    ) -> tuple[Params, SGDState]:
+    def apply(grads, state, params, scalars, *, inplace=False, mesh=None):  # an ApplyFn
         if use_momentum and state.momentum_buffer is None:
             raise ValueError("state.momentum_buffer is None but momentum != 0")
         neg_lr = scalars["neg_lr"]
