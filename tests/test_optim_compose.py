@@ -11,6 +11,7 @@ blocks, `chain`, `clip_by_global_norm` and `global_norm`.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, NamedTuple
 
 import optree
@@ -127,6 +128,13 @@ def test_chain_structure_and_errors():
         optim.chain()
     with pytest.raises(ValueError, match="state must be a tuple of 2"):
         opt.update({"w": torch.ones(3)}, state[1], params)
+
+
+def test_every_public_name_is_documented():
+    for name in optim.__all__:
+        value = getattr(optim, name)
+        if inspect.isfunction(value) or inspect.isclass(value):  # type aliases have comments
+            assert value.__doc__ and value.__doc__.strip(), name
 
 
 def test_make_optimizer_wants_the_keyword_arguments():
@@ -307,3 +315,8 @@ def test_clip_adamw_sharded_step_matches_torch_hybrid(hybrid_world):
 @COLLECTIVES_IN_TRACED_OPTIMIZER
 def test_clip_adamw_traced_sharded_step_matches_torch_flat(local_world):
     _check_clip_adamw(local_world(2).run(train_clip_adamw, True))
+
+
+@COLLECTIVES_IN_TRACED_OPTIMIZER
+def test_clip_adamw_traced_sharded_step_matches_torch_hybrid(hybrid_world):
+    _check_clip_adamw(hybrid_world.run(train_clip_adamw, True))

@@ -21,9 +21,10 @@ before an optimizer.
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, NamedTuple, Optional, Protocol, Union
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Protocol, Union
 
-from .._mesh import _MeshBase
+if TYPE_CHECKING:  # annotations only: the mesh's class is the core's business
+    from .._mesh import _MeshBase
 
 __all__ = [
     "Params",

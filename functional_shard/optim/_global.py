@@ -14,13 +14,15 @@ updates), so a sum of squares over the shards is the full model's sum of squares
 from __future__ import annotations
 
 import functools
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import optree
 import torch
 
-from .._mesh import _MeshBase
 from .._shard import all_reduce
+
+if TYPE_CHECKING:  # annotations only: the mesh's class is the core's business
+    from .._mesh import _MeshBase
 
 __all__ = ["global_sum", "global_norm"]
 
