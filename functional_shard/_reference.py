@@ -95,7 +95,7 @@ def update(fn: StepFunction, layout: Layout, shards, local, opt_state, scalars, 
     grads, local, loss, aux = gradients(fn, layout, shards, local, batch)
     trainable = {spec.name: s for spec, s in zip(layout.buffers, shards) if spec.trainable}
     with _tracing.phase("update"):
-        new_trainable, opt_state = fn.optimizer.apply(grads, opt_state, trainable, scalars, inplace=fn.donate)
+        new_trainable, opt_state = fn.optimizer.apply(grads, opt_state, trainable, scalars, inplace=fn.donate, mesh=fn.mesh)
         mean = mean_loss(fn.mesh, loss)
     new_shards = [new_trainable.get(spec.name, s) for spec, s in zip(layout.buffers, shards)]
     return StepOutput(new_shards, local, opt_state, mean, loss, aux)
