@@ -296,8 +296,13 @@ class Jit:
         self.traces = 0  # graphs traced so far (a retrace after eviction counts again)
         self._warned = False
 
-    def run(self, layout: Layout, shards, local, opt_state, scalars, batch) -> tuple[_reference.StepOutput, CompiledStep]:
-        mesh = self.fn.mesh
+    def lower(self, layout: Layout, shards, local, opt_state, scalars, batch) -> CompiledStep:
+        """The traced, scheduled step for these inputs, without running it and without any
+        collective (tensors may be fake or on the meta device; the cache is not touched)."""
+        key, io, inputs = self._key_and_inputs(layout, shards, local, opt_state, scalars, batch)
+        return trace(self.fn, key, io, inputs, self.schedule)
+
+    def _key_and_inputs(self, layout: Layout, shards, local, opt_state, scalars, batch) -> tuple[CacheKey, FlatIO, list]:
         opt_leaves, opt_structure = tree_flatten(opt_state)
         scalar_leaves, scalar_structure = tree_flatten(scalars)
         batch_leaves, batch_structure = tree_flatten(batch)
@@ -311,7 +316,13 @@ class Jit:
         )
         compiled = self.cache.get(key)
         io = compiled.io if compiled is not None else FlatIO(layout, opt_structure, scalar_structure, batch_structure, batch_leaves)
-        inputs = io.inputs(shards, local, opt_leaves, scalar_leaves, batch_leaves)
+        return key, io, io.inputs(shards, local, opt_leaves, scalar_leaves, batch_leaves)
+
+    def run(self, layout: Layout, shards, local, opt_state, scalars, batch) -> tuple[_reference.StepOutput, CompiledStep]:
+        """Run the step traced: look it up, agree with the other ranks (tracing where needed), replay."""
+        mesh = self.fn.mesh
+        key, io, inputs = self._key_and_inputs(layout, shards, local, opt_state, scalars, batch)
+        compiled = self.cache.get(key)
         digests = mesh.agree("a training step", compiled.digest if compiled is not None else 0)
         if compiled is None or len(set(digests)) > 1:
             compiled = self._agree_on_trace(key, io, inputs, compiled, batch)

@@ -243,6 +243,20 @@ class ShardedStep:
 
     # --- what the jit did ----------------------------------------------------------------------
 
+    def lower(self, state: StepState, batch: Any):
+        """The traced and scheduled step for `state` and `batch`, without running it: a
+        `CompiledStep` (its `graph_module`, `events`, bytes per step, `explain()`).
+
+        Local to this rank: no collective runs and nothing is cached. `state` and `batch` may
+        hold fake tensors or tensors on the meta device (for planning a step that does not fit
+        here); only their shapes and dtypes are read.
+        """
+        if not self.schedule.trace:
+            raise StepError("lower() traces the step: it needs a schedule with trace=True")
+        sharded = state.params
+        scalars = self.optimizer.scalars(state.opt_state)
+        return self._jit.lower(sharded.layout, sharded.shards, sharded.local, state.opt_state, scalars, batch)
+
     @property
     def cache(self) -> dict:
         """Traced steps by `CacheKey` (`CompiledStep`s: graph, schedule, bytes), least recently used first."""
