@@ -366,7 +366,14 @@ class ShardedStep:
 
         num_outputs = {"trainable": len(trainable_positions), "local": len(sharded.local), "opt": opt_spec.num_leaves}
         loss_output = num_outputs["trainable"] + num_outputs["local"] + num_outputs["opt"] + 1
-        gm = _trace.trace_step(flat_step, inputs, log=log, forward_end_output=loss_output, schedule=self.schedule)
+        gm = _trace.trace_step(
+            flat_step,
+            inputs,
+            log=log,
+            forward_end_output=loss_output,
+            schedule=self.schedule,
+            context=schedule_lib.PassContext.for_mesh(self.mesh),
+        )
         events = schedule_lib.analyze(gm)
         kinds = {"gather_issued": "all_gather", "reduce_scatter_issued": "reduce_scatter", "all_reduce_issued": "all_reduce"}
         sequence = [f"{kinds[e.event]} of {e.buffer or 'the loss'} ({e.nbytes} bytes)" for e in events if e.event in kinds]

@@ -110,10 +110,11 @@ def trace_step(
     log: list,
     forward_end_output: int,
     schedule: schedule_lib.Schedule,
+    context: schedule_lib.PassContext,
 ) -> fx.GraphModule:
     """Trace `flat_step(*inputs)` with fake tensors, tag its collectives from `log`, mark the end
     of the forward pass (the node of output `forward_end_output`, the local loss) and apply
-    `schedule`'s passes."""
+    `schedule`'s passes, which read what the mesh allows from `context`."""
     try:
         gm = make_fx(flat_step, tracing_mode="fake", _allow_non_fake_inputs=True)(*inputs)
     except _DATA_DEPENDENT as error:
@@ -130,24 +131,23 @@ def trace_step(
         ) from error
     _tag_collectives(gm, log)
     _mark_forward_end(gm, forward_end_output)
-    return schedule_lib.apply_schedule(gm, schedule)
+    return schedule_lib.apply_schedule(gm, schedule, context)
 
 
 def _tag_collectives(gm: fx.GraphModule, log: list) -> None:
     issued = [n for n in gm.graph.nodes if n.target in schedule_lib.ISSUE_OPS]
-    tagged = [entry for entry in log]
-    # The loss all-reduce is issued after every tagged collective and carries no tag.
-    if len(issued) != len(tagged) + 1:
+    # The loss all-reduce is issued after every logged collective and is not logged.
+    if len(issued) != len(log) + 1:
         raise RuntimeError(
-            f"internal: traced {len(issued)} collectives but recorded {len(tagged)} tagged ones (+1 loss all-reduce)"
+            f"internal: traced {len(issued)} collectives but recorded {len(log)} tagged ones (+1 loss all-reduce)"
         )
-    for node, (kind, buffer) in zip(issued, tagged):
-        if schedule_lib.ISSUE_OPS[node.target] != kind:
+    for node, (kind, buffer) in zip(issued, log):
+        phase = "forward" if kind == "all_gather" else "backward"
+        record = schedule_lib.CollectiveTag.for_node(node, buffer=buffer.name, unit=buffer.unit, phase=phase)
+        if record.kind != kind:
             raise RuntimeError(f"internal: collective {node.name} is a {node.target} but the log says {kind}")
-        node.meta["fs_buffer"] = buffer.name
-        node.meta["fs_unit"] = buffer.unit
-        node.meta["fs_phase"] = "forward" if kind == "all_gather" else "backward"
-    issued[-1].meta["fs_phase"] = "update"
+        schedule_lib.tag(node, record)
+    schedule_lib.tag(issued[-1], schedule_lib.CollectiveTag.for_node(issued[-1], phase="update"))
 
 
 def _mark_forward_end(gm: fx.GraphModule, output_index: int) -> None:
@@ -155,7 +155,7 @@ def _mark_forward_end(gm: fx.GraphModule, output_index: int) -> None:
     node = output.args[0][output_index]
     while node.op == "call_function" and node.target in (torch.ops.aten.detach.default, torch.ops.aten.alias.default):
         node = node.args[0]
-    node.meta["fs_forward_end"] = True
+    schedule_lib.mark_forward_end(node)
 
 
 def flatten_batch(batch: Any) -> tuple[list, Any, list[int]]:
