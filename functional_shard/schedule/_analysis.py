@@ -8,7 +8,6 @@ from torch import fx
 
 from ._graph import aliases, collectives, positions, uses
 
-__all__ = ["ScheduleEvent", "analyze", "explain", "max_units_alive", "max_in_flight"]
 
 _PREFIX = {"all_gather": "gather", "reduce_scatter": "reduce_scatter", "all_reduce": "all_reduce"}
 

@@ -7,8 +7,6 @@ from typing import Callable
 
 from torch import fx
 
-__all__ = ["PassContext", "Pass", "function_pass", "as_pass"]
-
 
 @dataclasses.dataclass(frozen=True)
 class PassContext:

@@ -15,22 +15,6 @@ from typing import Iterable, NamedTuple
 import torch
 from torch import fx
 
-__all__ = [
-    "ISSUE_OPS",
-    "WAIT_OP",
-    "CollectiveTag",
-    "Member",
-    "Collective",
-    "tag",
-    "tag_of",
-    "mark_forward_end",
-    "forward_end",
-    "collectives",
-    "aliases",
-    "uses",
-    "move_before",
-    "move_early",
-]
 
 _C10D = torch.ops._c10d_functional
 ISSUE_OPS = {

@@ -32,14 +32,6 @@ from ._graph import (
     uses,
 )
 
-__all__ = [
-    "reshard_after_forward",
-    "prefetch",
-    "early_reduce_scatter",
-    "bucket_gathers",
-    "limit_in_flight",
-]
-
 
 class _FrozenMapping(tuple):
     """An immutable, hashable `unit -> bool` mapping (sorted pairs)."""

@@ -12,8 +12,6 @@ from . import _passes
 from ._context import Pass, PassContext, as_pass
 from ._passes import _FrozenMapping
 
-__all__ = ["Schedule", "default_passes", "apply_schedule"]
-
 
 def default_passes(
     *,
