@@ -182,5 +182,6 @@ def test_collective_tags_are_one_frozen_record():
     node = graph.placeholder("x")
     fs.schedule.tag(node, record)
     fs.schedule.mark_forward_end(node)
+    graph.output(node)
     assert fs.schedule.tag_of(node) is record
     assert fs.schedule.forward_end(fx.GraphModule(torch.nn.Module(), graph)) is node

@@ -196,6 +196,27 @@ def _is_cheap(node: fx.Node) -> bool:
     return _is_pure(node) and (_is_view(node) or node.target in _CHEAP or not node.all_input_nodes)
 
 
+def move_issue_before(issue: fx.Node, anchor: fx.Node) -> None:
+    """Move a collective's `issue` right before `anchor`, with the cheap nodes it reads (views,
+    concatenations, constants: e.g. a bucket's `cat` of shards) that sit at or after `anchor`.
+    Where one of its inputs computes and sits after `anchor`, the issue goes right after the
+    last such input instead (as early as the computation allows)."""
+    while True:
+        order = {n: i for i, n in enumerate(issue.graph.nodes)}
+        late: set[fx.Node] = set()
+        frontier = [issue]
+        while frontier:
+            for i in frontier.pop().all_input_nodes:
+                if i not in late and order[i] >= order[anchor]:
+                    late.add(i)
+                    frontier.append(i)
+        blocking = [n for n in late if not _is_cheap(n)]
+        if not blocking:
+            break
+        anchor = max(blocking, key=order.__getitem__).next
+    move_before([*sorted(late, key=order.__getitem__), issue], anchor)
+
+
 def move_early(node: fx.Node) -> None:
     """Move `node`, and first its cheap ancestors (views, concatenations, constants), as early
     as their inputs allow: each right after its last input. Computation stays where the trace

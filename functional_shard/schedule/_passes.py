@@ -27,6 +27,7 @@ from ._graph import (
     forward_end,
     move_before,
     move_early,
+    move_issue_before,
     positions,
     tag,
     uses,
@@ -166,7 +167,7 @@ class prefetch(Pass):
         for c in gathers:
             if c.unit in first_use:
                 index = order.index(c.unit)
-                move_before([c.issue], block_start[order[max(0, index - self.distance)]])
+                move_issue_before(c.issue, block_start[order[max(0, index - self.distance)]])
 
 
 @dataclasses.dataclass(frozen=True)
