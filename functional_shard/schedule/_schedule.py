@@ -114,6 +114,12 @@ class Schedule:
         if self.reduce_scatters_in_flight is not None and self.reduce_scatters_in_flight < 1:
             raise ValueError("Schedule.reduce_scatters_in_flight must be None or >= 1")
 
+    def __repr__(self) -> str:
+        # Only what differs from the defaults: `Schedule(prefetch=2)`, `Schedule(passes=(...))`.
+        fields = dataclasses.fields(self)
+        changed = [f"{f.name}={getattr(self, f.name)!r}" for f in fields if getattr(self, f.name) != f.default]
+        return f"Schedule({', '.join(changed)})"
+
     @property
     def pass_list(self) -> tuple[Pass, ...]:
         """The passes this schedule runs, in order: `passes`, or the default list of the fields."""
