@@ -1,4 +1,5 @@
-"""A researcher's workflow with schedules: one model, three schedules and a custom pass.
+"""A researcher's workflow with schedules: one model, four schedules, and a list of passes that
+reorders and replaces the built-in ones and adds a custom pass.
 
     python examples/schedules.py              # 2 local CPU processes
 
@@ -36,7 +37,18 @@ SCHEDULES = {
     "on demand, keep parameters (ZeRO-2 like)": fs.Schedule(prefetch=0, reshard_after_forward=False),
     "prefetch 1, reshard after forward (ZeRO-3)": fs.Schedule(prefetch=1, reshard_after_forward=True),
     "prefetch 2, reshard all but 'rest'": fs.Schedule(prefetch=2, reshard_after_forward={"rest": False}),
-    "custom pass: all gathers up front, reversed": fs.Schedule(prefetch=0, passes=(issue_gathers_in_reverse_up_front,)),
+    # A schedule is a list of pass values: reorder, replace or drop the built-in ones, add your own.
+    # (`fs.Schedule(prefetch=0, extra_passes=(issue_gathers_in_reverse_up_front,))` would just add it.)
+    "explicit pass list: keep 'rest', custom pass, then buckets": fs.Schedule(
+        passes=(
+            fs.schedule.reshard_after_forward({"rest": False}),
+            fs.schedule.prefetch(0),
+            issue_gathers_in_reverse_up_front,
+            fs.schedule.bucket_gathers(1 << 19),  # about two blocks a bucket, in the new issue order
+            fs.schedule.early_reduce_scatter(),
+            fs.schedule.limit_in_flight(),  # the mesh's bound on collectives in flight (1 on gloo)
+        )
+    ),
 }
 
 
@@ -66,6 +78,8 @@ def main(steps: int, world_size: int) -> None:
         results[name] = fs.tree_leaves(state)
         if mesh.rank == 0:
             print(f"\n=== {name}: {schedule}")
+            if schedule.trace:
+                print("passes:", ", ".join(map(repr, schedule.pass_list)))
             print(f"loss {float(metrics['loss']):.4f}, all-gather {metrics['all_gather_bytes']} B, "
                   f"reduce-scatter {metrics['reduce_scatter_bytes']} B per step")
             if schedule.trace:

@@ -231,7 +231,7 @@ def trace(fn: _reference.StepFunction, key: CacheKey, io: FlatIO, inputs: list, 
             ) from error
     _label_collectives(gm, log)
     _mark_forward_end(gm, io.loss_output)
-    gm = schedule_lib.apply_schedule(gm, schedule)
+    gm = schedule_lib.apply_schedule(gm, schedule, schedule_lib.PassContext.for_mesh(fn.mesh))
     events = schedule_lib.analyze(gm)
     kinds = {"gather_issued": "all_gather", "reduce_scatter_issued": "reduce_scatter", "all_reduce_issued": "all_reduce"}
     sequence = [f"{kinds[e.event]} of {e.buffer or 'the loss'} ({e.nbytes} bytes)" for e in events if e.event in kinds]
@@ -260,9 +260,15 @@ def _label_collectives(gm: fx.GraphModule, log: list[_tracing.Issued]) -> None:
     for node, entry in zip(issued, log):
         if schedule_lib.ISSUE_OPS[node.target] != entry.kind:
             raise RuntimeError(f"internal: collective {node.name} is a {node.target} but was recorded as {entry.kind}")
-        node.meta["fs_buffer"] = entry.buffer.name if entry.buffer is not None else ""
-        node.meta["fs_unit"] = entry.buffer.unit if entry.buffer is not None else ""
-        node.meta["fs_phase"] = entry.phase
+        schedule_lib.tag(
+            node,
+            schedule_lib.CollectiveTag.for_node(
+                node,
+                buffer=entry.buffer.name if entry.buffer is not None else "",
+                unit=entry.buffer.unit if entry.buffer is not None else "",
+                phase=entry.phase,
+            ),
+        )
 
 
 def _mark_forward_end(gm: fx.GraphModule, output_index: int) -> None:
@@ -270,7 +276,7 @@ def _mark_forward_end(gm: fx.GraphModule, output_index: int) -> None:
     node = output.args[0][output_index]
     while node.op == "call_function" and node.target in (torch.ops.aten.detach.default, torch.ops.aten.alias.default):
         node = node.args[0]
-    node.meta["fs_forward_end"] = True
+    schedule_lib.mark_forward_end(node)
 
 
 # How a rank that failed to trace fills its place in the ranks' comparison of collectives.

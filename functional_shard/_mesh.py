@@ -100,6 +100,9 @@ class BaseMesh:
     # Whether a step on this mesh can be traced (make_fx patches module globals while it
     # traces, so thread-ranks of a simulated mesh cannot trace at the same time).
     supports_tracing: bool = True
+    # The most collectives the backend may have issued and not yet waited at once (None: no
+    # limit); `fs.schedule.limit_in_flight` reads it. gloo: 1 (two in flight deadlocked, rarely).
+    max_collectives_in_flight: int | None = None
 
     @property
     def shape(self) -> dict[str, int]:
@@ -236,6 +239,7 @@ class Mesh(BaseMesh):
         self.device = torch.device(device_mesh.device_type, torch.cuda.current_device()) if device_mesh.device_type == "cuda" else torch.device("cpu")
         self._group_names = {a: device_mesh.get_group(a).group_name for a in self.axis_names}
         self._gloo = dist.get_backend() == "gloo"
+        self.max_collectives_in_flight = 1 if self._gloo else None
         self._world_group_name = dist.group.WORLD.group_name
 
     def all_gather_flat(self, shard: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,111 @@
+"""Reading a schedule back out of a graph: events, units alive, collectives in flight, a table."""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+from torch import fx
+
+from ._graph import aliases, collectives, positions, uses
+
+
+_PREFIX = {"all_gather": "gather", "reduce_scatter": "reduce_scatter", "all_reduce": "all_reduce"}
+
+
+class ScheduleEvent(NamedTuple):
+    """One event of an applied schedule, in graph order."""
+
+    position: int  # index of the node in the final graph
+    unit: str  # the unit whose buffer the collective moves ("" for the loss all-reduce)
+    buffer: str  # the flat buffer (a unit may hold several: frozen, other dtypes)
+    event: str  # gather_issued | gather_waited | freed | reduce_scatter_issued | reduce_scatter_waited | all_reduce_issued | all_reduce_waited
+    phase: str  # forward | backward | update
+    node: str  # the graph node's name
+    nbytes: int  # bytes of the full (unsharded, padded) buffer this collective moves
+
+
+def analyze(gm: fx.GraphModule) -> list[ScheduleEvent]:
+    """The schedule applied in `gm`: every collective's issue and wait, and where each gathered
+    buffer is freed (its last read through any alias), sorted by graph position."""
+    position = positions(gm)
+    events = []
+    for c in collectives(gm):
+        prefix = _PREFIX[c.kind]
+        for buffer, unit, root, nbytes in c.members():
+
+            def event(kind: str, node: fx.Node) -> ScheduleEvent:
+                return ScheduleEvent(position[node], unit, buffer, kind, c.phase, node.name, nbytes)
+
+            events.append(event(f"{prefix}_issued", c.issue))
+            events.append(event(f"{prefix}_waited", c.wait))
+            if c.kind == "all_gather":
+                last = max(uses(root) + aliases(root), key=position.__getitem__)
+                events.append(event("freed", last))
+    return sorted(events, key=lambda e: (e.position, e.event))
+
+
+def max_units_alive(events: Sequence[ScheduleEvent]) -> int:
+    """The most units whose full parameters are alive at once: a gathered buffer is alive from
+    its issue (its output is allocated then) to its last read."""
+    alive: dict[tuple[str, str, int], tuple[int, int]] = {}
+    issued: dict[tuple[str, str], list[int]] = {}
+    for e in events:
+        key = (e.unit, e.buffer)
+        if e.event == "gather_issued":
+            issued.setdefault(key, []).append(e.position)
+        elif e.event == "freed":
+            start = issued[key].pop(0)
+            alive[(e.unit, e.buffer, start)] = (start, e.position)
+    points = sorted({p for interval in alive.values() for p in interval})
+    best = 0
+    for p in points:
+        units = {unit for (unit, _, _), (start, end) in alive.items() if start <= p <= end}
+        best = max(best, len(units))
+    return best
+
+
+def in_flight_intervals(events: Sequence[ScheduleEvent], kind: str | None = None) -> list[tuple[int, str, int]]:
+    """(issue position, issue node, wait position) of each collective (of `kind`, e.g.
+    "reduce_scatter"; None: every kind), in issue order; a bucket counts once."""
+    prefixes = {_PREFIX[kind]} if kind is not None else set(_PREFIX.values())
+    issued: dict[tuple, list[ScheduleEvent]] = {}
+    found: dict[str, tuple[int, str, int]] = {}
+    for e in events:  # graph order: a collective's issue comes before its wait
+        prefix, _, what = e.event.rpartition("_")
+        if prefix not in prefixes:
+            continue
+        key = (prefix, e.unit, e.buffer, e.phase)
+        if what == "issued":
+            issued.setdefault(key, []).append(e)
+        else:
+            issue = issued[key].pop(0)
+            found[issue.node] = (issue.position, issue.node, e.position)
+    return sorted(found.values())
+
+
+def max_in_flight(events: Sequence[ScheduleEvent], kind: str | None = None) -> int:
+    """The most collectives (of `kind`: "all_gather", "reduce_scatter", "all_reduce"; None:
+    every kind) issued and not yet waited at once, counted at each issue."""
+    intervals = in_flight_intervals(events, kind)
+    return max((sum(start <= p < end for start, _, end in intervals) for p, _, _ in intervals), default=0)
+
+
+def explain(events: Sequence[ScheduleEvent], *, title: str = "") -> str:
+    """A readable table of a schedule: one row per event, in graph order."""
+    rows = [("pos", "phase", "event", "unit", "buffer", "MiB", "node")]
+    for e in events:
+        rows.append((str(e.position), e.phase, e.event, e.unit, e.buffer, f"{e.nbytes / 2**20:.3f}", e.node))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = [title] if title else []
+    for i, row in enumerate(rows):
+        lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+        if i == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    gathered = sum(e.nbytes for e in events if e.event == "gather_issued")
+    scattered = sum(e.nbytes for e in events if e.event == "reduce_scatter_issued")
+    lines.append(
+        f"all-gather {gathered / 2**20:.3f} MiB, reduce-scatter {scattered / 2**20:.3f} MiB per step; "
+        f"at most {max_units_alive(events)} units' full parameters alive at once, "
+        f"at most {max_in_flight(events)} collectives in flight"
+    )
+    return "\n".join(lines)

@@ -1,0 +1,249 @@
+"""Graph tools: what the tracer knows about each collective, and how passes find and move nodes.
+
+The tracer tags every collective's issue node with one typed record (`CollectiveTag`, under
+one `node.meta` key) and marks the node that ends the forward pass (`mark_forward_end`). A pass
+reads them back with `collectives(gm)` and `forward_end(gm)`; a pass that creates a collective
+(a copy for the backward, a bucket) tags it with a record derived from the ones it replaces.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Iterable, NamedTuple
+
+import torch
+from torch import fx
+
+
+_C10D = torch.ops._c10d_functional
+ISSUE_OPS = {
+    _C10D.all_gather_into_tensor.default: "all_gather",
+    _C10D.reduce_scatter_tensor.default: "reduce_scatter",
+    # On gloo a reduce-scatter is an all-to-all and a local sum (see Mesh.reduce_scatter_flat).
+    _C10D.all_to_all_single.default: "reduce_scatter",
+    _C10D.all_reduce.default: "all_reduce",
+}
+WAIT_OP = _C10D.wait_tensor.default
+
+# The two `node.meta` keys this library writes: a collective's record, the forward's last node.
+_TAG_KEY = "fs_collective"
+_FORWARD_END_KEY = "fs_forward_end"
+
+
+class Member(NamedTuple):
+    """One buffer a collective moves (a bucket moves several)."""
+
+    buffer: str  # the flat buffer's name
+    unit: str  # the unit it belongs to
+    root: fx.Node  # the node its full value is read from (its views start there)
+    nbytes: int  # bytes of the full (unsharded, padded) buffer
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveTag:
+    """What the tracer knows about one collective, stored on its issue node (`tag`, `tag_of`).
+
+    Attributes:
+        kind: "all_gather", "reduce_scatter" or "all_reduce".
+        buffer / unit: the flat buffer it moves and that buffer's unit ("" for collectives that
+            move no parameter buffer, e.g. the loss all-reduce); a bucket joins its members'
+            names with "+".
+        phase: "forward" or "backward" for gathers (the pass they feed), "backward" for
+            reduce-scatters, "update" for the loss all-reduce.
+        nbytes: bytes of the full (unsharded, padded) buffer: the all-gather's output, the
+            reduce-scatter's input; a bucket's sum of its members'.
+        members: for a bucket, each buffer it moves (`Member`s); empty otherwise.
+    """
+
+    kind: str
+    buffer: str
+    unit: str
+    phase: str
+    nbytes: int
+    members: tuple[Member, ...] = ()
+
+    @classmethod
+    def for_node(cls, node: fx.Node, *, buffer: str = "", unit: str = "", phase: str = "update") -> "CollectiveTag":
+        """The record of the collective issued by `node`, its kind and bytes read off the node."""
+        kind = ISSUE_OPS[node.target]
+        value = (node if kind == "all_gather" else node.args[0]).meta.get("val")
+        nbytes = value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
+        return cls(kind=kind, buffer=buffer, unit=unit, phase=phase, nbytes=nbytes)
+
+
+def tag(node: fx.Node, record: CollectiveTag) -> None:
+    """Store `record` on the collective issue `node` (replacing any record it had)."""
+    node.meta[_TAG_KEY] = record
+
+
+def tag_of(node: fx.Node) -> CollectiveTag | None:
+    """The record stored on `node` by `tag`, or None."""
+    return node.meta.get(_TAG_KEY)
+
+
+def mark_forward_end(node: fx.Node) -> None:
+    """Mark `node` (the local loss) as the last node of the forward pass."""
+    node.meta[_FORWARD_END_KEY] = True
+
+
+def forward_end(gm: fx.GraphModule) -> fx.Node:
+    """The node `mark_forward_end` marked: what runs after it is the backward and the update."""
+    for node in gm.graph.nodes:
+        if node.meta.get(_FORWARD_END_KEY):
+            return node
+    raise RuntimeError("the graph has no node marked as the end of the forward pass (fs.schedule.mark_forward_end)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """A collective of a traced graph: its issue and wait nodes and its record.
+
+    Attributes:
+        issue: the node that starts it (`_c10d_functional.<kind>`).
+        wait: the `wait_tensor` node that waits for it.
+        tag: its `CollectiveTag` (from the tracer or the pass that made it; for an untagged
+            node, one read off the node with phase "update" and no buffer).
+    kind, buffer, unit, phase and nbytes read the tag.
+    """
+
+    issue: fx.Node
+    wait: fx.Node
+    tag: CollectiveTag
+
+    kind = property(lambda self: self.tag.kind)
+    buffer = property(lambda self: self.tag.buffer)
+    unit = property(lambda self: self.tag.unit)
+    phase = property(lambda self: self.tag.phase)
+    nbytes = property(lambda self: self.tag.nbytes)
+
+    def members(self) -> tuple[Member, ...]:
+        """Each buffer it moves: one, or several for a bucket (`bucket_gathers`)."""
+        return self.tag.members or (Member(self.buffer, self.unit, self.wait, self.nbytes),)
+
+
+def collectives(gm: fx.GraphModule) -> list[Collective]:
+    """Every collective of `gm`, in the graph order of their issue nodes."""
+    out = []
+    for node in gm.graph.nodes:
+        if node.target not in ISSUE_OPS:
+            continue
+        waits = [u for u in node.users if u.target is WAIT_OP]
+        if len(waits) != 1:
+            raise RuntimeError(f"collective {node.name} must have exactly one wait_tensor user; has {len(waits)}")
+        out.append(Collective(node, waits[0], tag_of(node) or CollectiveTag.for_node(node)))
+    return out
+
+
+def positions(gm: fx.GraphModule) -> dict[fx.Node, int]:
+    """Each node's index in the graph."""
+    return {n: i for i, n in enumerate(gm.graph.nodes)}
+
+
+def _schema(node: fx.Node):
+    """The schema of the op a node calls; None for placeholders, Python functions, getitem."""
+    return getattr(node.target, "_schema", None) if node.op == "call_function" else None
+
+
+def _is_view(node: fx.Node) -> bool:
+    """Its output aliases an input without writing it (view, t, split, getitem of a split)."""
+    if node.op == "call_function" and node.target is operator.getitem:
+        return True
+    schema = _schema(node)
+    return schema is not None and any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
+
+
+def aliases(wait: fx.Node) -> list[fx.Node]:
+    """`wait` and every node that views its output (split, getitem, view, t, ...), graph order."""
+    found = {wait}
+    frontier = [wait]
+    while frontier:
+        node = frontier.pop()
+        for user in node.users:
+            if user not in found and _is_view(user):
+                found.add(user)
+                frontier.append(user)
+    return [n for n in wait.graph.nodes if n in found]
+
+
+def uses(wait: fx.Node) -> list[fx.Node]:
+    """The nodes that read a gathered buffer through any of its aliases (not views), graph order."""
+    alias_set = set(aliases(wait))
+    readers = {u for a in alias_set for u in a.users if u not in alias_set}
+    return [n for n in wait.graph.nodes if n in readers]
+
+
+def move_before(nodes: Iterable[fx.Node], anchor: fx.Node) -> None:
+    """Move `nodes` (in the order given) so that they sit right before `anchor`."""
+    for node in nodes:
+        if node is not anchor:
+            anchor.prepend(node)
+
+
+def _is_pure(node: fx.Node) -> bool:
+    """A call that writes none of its inputs and is no collective: moving it changes no value."""
+    if node.op == "call_function" and node.target is operator.getitem:
+        return True
+    schema = _schema(node)
+    return schema is not None and not schema.is_mutable and node.target not in ISSUE_OPS and node.target is not WAIT_OP
+
+
+_CHEAP = {torch.ops.aten.cat.default, torch.ops.aten.zeros.default, torch.ops.aten.full.default}
+
+
+def _is_cheap(node: fx.Node) -> bool:
+    """Views, concatenations and constants: moving them moves no computation."""
+    return _is_pure(node) and (_is_view(node) or node.target in _CHEAP or not node.all_input_nodes)
+
+
+def move_issue_before(issue: fx.Node, anchor: fx.Node) -> None:
+    """Move a collective's `issue` right before `anchor`, with the cheap nodes it reads (views,
+    concatenations, constants: e.g. a bucket's `cat` of shards) that sit at or after `anchor`.
+    Where one of its inputs computes and sits after `anchor`, the issue goes right after the
+    last such input instead (as early as the computation allows)."""
+    while True:
+        order = {n: i for i, n in enumerate(issue.graph.nodes)}
+        late: set[fx.Node] = set()
+        frontier = [issue]
+        while frontier:
+            for i in frontier.pop().all_input_nodes:
+                if i not in late and order[i] >= order[anchor]:
+                    late.add(i)
+                    frontier.append(i)
+        blocking = [n for n in late if not _is_cheap(n)]
+        if not blocking:
+            break
+        anchor = max(blocking, key=order.__getitem__).next
+    move_before([*sorted(late, key=order.__getitem__), issue], anchor)
+
+
+def move_early(node: fx.Node) -> None:
+    """Move `node`, and first its cheap ancestors (views, concatenations, constants), as early
+    as their inputs allow: each right after its last input. Computation stays where the trace
+    put it, so only the order of the bookkeeping around it changes, never a value."""
+    order = {n: i for i, n in enumerate(node.graph.nodes)}
+    visited: set[fx.Node] = set()
+    # Inputs before users: a depth-first post-order over the cheap ancestors, without recursion.
+    post_order: list[fx.Node] = []
+    stack: list[tuple[fx.Node, bool]] = [(node, False)]
+    while stack:
+        n, expanded = stack.pop()
+        if expanded:
+            post_order.append(n)
+            continue
+        if n in visited or not (_is_cheap(n) or n is node):
+            continue
+        visited.add(n)
+        stack.append((n, True))
+        stack.extend((i, False) for i in n.all_input_nodes)
+    for n in post_order:
+        # Constants read only here follow n; n follows the last of its other inputs.
+        followers = [i for i in n.all_input_nodes if _is_cheap(i) and not i.all_input_nodes and len(i.users) == 1]
+        anchors = [i for i in n.all_input_nodes if i not in followers]
+        if anchors:
+            last = max(anchors, key=order.__getitem__)
+            if last.next is not n:
+                last.append(n)
+        for i in followers:
+            n.prepend(i)
+        order = {m: k for k, m in enumerate(node.graph.nodes)}

@@ -1,0 +1,187 @@
+"""`Schedule`: how `sharded_step` runs a step, and the list of passes that schedules it."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping, Sequence
+
+from torch import fx
+
+from ._analysis import analyze, in_flight_intervals
+from . import _passes
+from ._context import Pass, PassContext, as_pass
+from ._passes import _FrozenMapping
+
+
+def default_passes(
+    *,
+    prefetch: int = 1,
+    reshard_after_forward: bool | Mapping[str, bool] = True,
+    default_reshard: bool = True,
+    reduce_scatters_in_flight: int | None = None,
+    bucket_bytes: int = 0,
+    extra_passes: Sequence = (),
+) -> tuple[Pass, ...]:
+    """The pass list `Schedule(...)` expands to, in order:
+
+        reshard_after_forward(reshard_after_forward, default=default_reshard),
+        prefetch(prefetch),
+        early_reduce_scatter(in_flight=reduce_scatters_in_flight),
+        bucket_gathers(bucket_bytes),        # only when bucket_bytes > 0
+        *extra_passes,                       # plain functions gm -> gm are wrapped
+        limit_in_flight(),                   # the mesh's max_collectives_in_flight
+    """
+    passes = [
+        _passes.reshard_after_forward(reshard_after_forward, default=default_reshard),
+        _passes.prefetch(prefetch),
+        _passes.early_reduce_scatter(in_flight=reduce_scatters_in_flight),
+    ]
+    if bucket_bytes:
+        passes.append(_passes.bucket_gathers(bucket_bytes))
+    return (*passes, *(as_pass(p) for p in extra_passes), _passes.limit_in_flight())
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """How `sharded_step` runs a step: eagerly, or traced and scheduled by a list of passes.
+
+    The fields `prefetch`, `reshard_after_forward`, `default_reshard`,
+    `reduce_scatters_in_flight`, `bucket_bytes` and `extra_passes` are the convenient form:
+    they build the default pass list (`default_passes`, read back as `pass_list`). `passes`
+    gives the list itself instead (then those fields must keep their defaults).
+
+    Attributes:
+        trace: True (default) traces the step once per input signature into one graph,
+            applies the passes, and replays the graph; False runs the eager reference
+            (gather everything, `grad(loss ∘ gather)`, update) — slower, same bits.
+        prefetch: a unit's all-gather is issued `prefetch` units ahead of its first use and
+            waited right before it (0: gathered on demand). In forward and in backward.
+        reshard_after_forward: True frees a unit's full parameters after its last forward use
+            and gathers them again for its backward (ZeRO-3: 1.5x the bytes, far less memory);
+            False keeps them from forward to backward. A dict `unit -> bool` overrides it per
+            unit (units not in it take `default_reshard`).
+        default_reshard: the value for units a dict `reshard_after_forward` leaves out.
+        reduce_scatters_in_flight: None waits each reduce-scatter as late as possible (right
+            before its result is read); an int k waits it once k later ones have been issued,
+            which bounds how many full-size gradients are alive at once. The mesh's own bound
+            (`limit_in_flight`; 1 on gloo) applies on top.
+        bucket_bytes: 0 gathers each unit with its own collective; more merges the all-gathers
+            of units next to each other in issue order (same pass, same dtype) into one
+            collective of at most this many bytes (full buffers).
+        extra_passes: your own passes, run after the built-in ones and before
+            `limit_in_flight()`: pass values (`fs.schedule.Pass`) or plain functions
+            `GraphModule -> GraphModule`.
+        passes: None (default) for the list the fields above build; else the whole list of
+            passes, run in the order given (plain functions are wrapped in `function_pass`).
+            On a mesh that bounds the collectives in flight (gloo), the scheduled graph must
+            respect that bound: end the list with `fs.schedule.limit_in_flight()`.
+        compile: hand the scheduled graph to `torch.compile` (inductor); results then agree
+            with the eager reference to fp32 rounding instead of bit for bit.
+    """
+
+    trace: bool = True
+    prefetch: int = 1
+    reshard_after_forward: bool | Mapping[str, bool] = True
+    default_reshard: bool = True
+    reduce_scatters_in_flight: int | None = None
+    bucket_bytes: int = 0
+    extra_passes: tuple = ()
+    passes: tuple[Pass, ...] | None = None
+    compile: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.reshard_after_forward, Mapping):
+            # Frozen dataclasses should hold hashable values: keep the mapping as sorted pairs.
+            object.__setattr__(self, "reshard_after_forward", _FrozenMapping(self.reshard_after_forward))
+        object.__setattr__(self, "extra_passes", tuple(as_pass(p) for p in self.extra_passes))
+        if self.passes is not None:
+            object.__setattr__(self, "passes", tuple(as_pass(p) for p in self.passes))
+            changed = [
+                f.name
+                for f in dataclasses.fields(self)
+                if f.name in _CONVENIENT_FIELDS and getattr(self, f.name) != f.default
+            ]
+            if changed:
+                raise ValueError(
+                    f"Schedule(passes=...) is the whole list of passes, so {', '.join(changed)} would have no "
+                    f"effect. Put the built-in passes in the list yourself (see fs.schedule.default_passes, e.g. "
+                    f"fs.schedule.prefetch(0)), or keep the fields and add your passes with extra_passes=(...)"
+                )
+        for name, minimum in (("prefetch", 0), ("bucket_bytes", 0)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+                raise ValueError(f"Schedule.{name} must be an int >= {minimum}; got {value!r}")
+        if self.reduce_scatters_in_flight is not None and self.reduce_scatters_in_flight < 1:
+            raise ValueError("Schedule.reduce_scatters_in_flight must be None or >= 1")
+
+    def __repr__(self) -> str:
+        # Only what differs from the defaults: `Schedule(prefetch=2)`, `Schedule(passes=(...))`.
+        fields = dataclasses.fields(self)
+        changed = [f"{f.name}={getattr(self, f.name)!r}" for f in fields if getattr(self, f.name) != f.default]
+        return f"Schedule({', '.join(changed)})"
+
+    @property
+    def pass_list(self) -> tuple[Pass, ...]:
+        """The passes this schedule runs, in order: `passes`, or the default list of the fields."""
+        if self.passes is not None:
+            return self.passes
+        return default_passes(
+            prefetch=self.prefetch,
+            reshard_after_forward=self.reshard_after_forward,
+            default_reshard=self.default_reshard,
+            reduce_scatters_in_flight=self.reduce_scatters_in_flight,
+            bucket_bytes=self.bucket_bytes,
+            extra_passes=self.extra_passes,
+        )
+
+    def reshards(self, unit: str) -> bool:
+        """Whether the convenient form reshards `unit` (freed after forward, gathered again)."""
+        return _passes.reshard_after_forward(self.reshard_after_forward, default=self.default_reshard).reshards(unit)
+
+
+_CONVENIENT_FIELDS = {
+    "prefetch",
+    "reshard_after_forward",
+    "default_reshard",
+    "reduce_scatters_in_flight",
+    "bucket_bytes",
+    "extra_passes",
+}
+
+
+def apply_schedule(
+    gm: fx.GraphModule, schedule: Schedule | Sequence, context: PassContext
+) -> fx.GraphModule:
+    """Run the passes of `schedule` (a `Schedule`, or a list of passes) on `gm` in order, then
+    recompile it.
+
+    Every pass gets `context`. After each pass the graph is linted (a pass that puts a value
+    after one of its readers fails here). At the end, if `context.max_collectives_in_flight`
+    is a number and the graph has more collectives in flight at once, this raises ValueError
+    rather than appending `limit_in_flight()` itself: a pass appended behind the user's back
+    could undo what their last pass did, and an error names the fix (end the list with
+    `fs.schedule.limit_in_flight()`). A list that respects the bound without it runs as it is.
+    """
+    passes = schedule.pass_list if isinstance(schedule, Schedule) else tuple(as_pass(p) for p in schedule)
+    for pass_ in passes:
+        result = pass_(gm, context)
+        gm = gm if result is None else result
+        gm.graph.lint()
+    _check_in_flight(gm, passes, context)
+    gm.recompile()
+    return gm
+
+
+def _check_in_flight(gm: fx.GraphModule, passes: Sequence[Pass], context: PassContext) -> None:
+    bound = context.max_collectives_in_flight
+    if bound is None:
+        return
+    intervals = in_flight_intervals(analyze(gm))
+    for point, _, _ in intervals:
+        in_flight = [node for start, node, end in intervals if start <= point < end]
+        if len(in_flight) > bound:
+            raise ValueError(
+                f"the schedule's passes {list(passes)} leave {len(in_flight)} collectives in flight at once "
+                f"({', '.join(in_flight)}), but this mesh allows at most {bound} (its max_collectives_in_flight; "
+                f"gloo deadlocks, rarely, with more). End the pass list with fs.schedule.limit_in_flight()"
+            )
