@@ -55,6 +55,9 @@ class Sharded:
         """Buffer name -> this rank's shard."""
         return {spec.name: s for spec, s in zip(self.layout.buffers, self.shards)}
 
+    def __reduce__(self):
+        raise TypeError("a Sharded holds one rank's shards bound to a live mesh; save a training state with fs.checkpoint.save(path, state) and load it with fs.checkpoint.load(path, step.init(params))")
+
     def replace(self, shards=None, local=None) -> "Sharded":
         return Sharded(
             self.layout, self.mesh, self.shards if shards is None else shards, self.local if local is None else local

@@ -78,6 +78,12 @@ class StepState:
     def __repr__(self) -> str:
         return f"StepState(step={self.step}, params={self.params!r})"
 
+    def replace(self, **changes):
+        return StepState(changes.get("params", self.params), changes.get("opt_state", self.opt_state), changes.get("step", self.step), self._key)
+
+    def __reduce__(self):
+        raise TypeError("a StepState holds one rank's shards bound to a live mesh; save it with fs.checkpoint.save(path, state) and load it with fs.checkpoint.load(path, step.init(params))")
+
 
 optree.register_pytree_node(
     StepState,
