@@ -226,25 +226,29 @@ def entry_from_json(item: Any) -> tuple[Entry, list[tuple[str, str, int, int]]]:
 
 
 def check_compatible(saved: list[Entry], saved_structure: str, expected: list[Entry], structure: str, where: str) -> None:
-    """Raise `CheckpointError` naming the first tensor (in the state's order) whose name, shape or
-    dtype differs between the checkpoint and the state, then any tensor only the checkpoint has."""
+    """Raise `CheckpointError` naming the first difference between the checkpoint and the state:
+    a model leaf (in the state's order) whose name, shape or dtype differs, or that only the
+    checkpoint has; else the optimizer's structure; else the first optimizer tensor that differs."""
+    hint = "the checkpoint was saved from another model or optimizer (or another version of it)"
+
+    def differ(what: str) -> CheckpointError:
+        return CheckpointError(f"{where} does not fit this state: {what}; {hint}")
+
     by_key = {e.key: e for e in saved}
     expected_keys = {e.key for e in expected}
-    hint = "the checkpoint was saved from another model or optimizer (or another version of it)"
-    for entry in expected:
-        other = by_key.get(entry.key)
-        if other is None:
-            raise CheckpointError(f"{where} does not fit this state: {entry.key!r} ({entry.describe()}) is not in the checkpoint; {hint}")
-        if other.shape != entry.shape or other.dtype != entry.dtype:
-            raise CheckpointError(
-                f"{where} does not fit this state: {entry.key!r} is {other.describe()} in the checkpoint but "
-                f"{entry.describe()} in this state; {hint}"
-            )
+    for part in ("params/", "opt/"):
+        if part == "opt/" and saved_structure != structure:
+            raise differ(f"its optimizer state is structured as {saved_structure}, this state's as {structure}")
+        for entry in expected:
+            if entry.key.startswith(part):
+                other = by_key.get(entry.key)
+                if other is None:
+                    raise differ(f"{entry.key!r} ({entry.describe()}) is not in the checkpoint")
+                if other.shape != entry.shape or other.dtype != entry.dtype:
+                    raise differ(f"{entry.key!r} is {other.describe()} in the checkpoint but {entry.describe()} in this state")
+        for entry in saved:
+            if entry.key.startswith(part) and entry.key not in expected_keys:
+                raise differ(f"{entry.key!r} ({entry.describe()}) is in the checkpoint but not in this state")
     for entry in saved:
         if entry.key not in expected_keys:
-            raise CheckpointError(f"{where} does not fit this state: {entry.key!r} ({entry.describe()}) is in the checkpoint but not in this state; {hint}")
-    if saved_structure != structure:
-        raise CheckpointError(
-            f"{where} does not fit this state: its optimizer state is structured as {saved_structure}, this "
-            f"state's as {structure}; {hint}"
-        )
+            raise differ(f"{entry.key!r} ({entry.describe()}) is in the checkpoint but not in this state")
