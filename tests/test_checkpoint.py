@@ -24,7 +24,6 @@ import signal
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 import functional_shard as fs
 from functional_shard.checkpoint import CheckpointError
@@ -278,7 +277,7 @@ def test_reshard_on_load(local_world, saved_at_4, tmp_path, case, kind):
     save_to = str(tmp_path / "again") if case == "hybrid2x2" else None
     runner = fs.testing.SimulatedWorld(1) if world == 1 else local_world(world)  # one rank: a thread will do
     reports = runner.run(load_anywhere, saved_at_4[kind], kind, save_to=save_to, **config)
-    tolerance = 1e-5 if kind == "sgd" else 1e-4
+    tolerance = 1e-5  # fp32 rounding (the sums over ranks run in another order); seen: ~1e-7
     for rank, report in enumerate(reports):
         assert report["step"] == 3
         assert report["keys_equal"] and not report["inexact"], f"rank {rank}: not loaded exactly: {report['inexact']}"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,8 @@ import safetensors.torch
 import torch
 
 from ._format import COMMIT, FORMAT, INDEX, VERSION, CheckpointError, Entry, entry_from_json
+
+_RANK_FILE = re.compile(r"rank-\d{5,}\.safetensors")
 
 __all__ = ["write_bytes", "write_rank_file", "fsync_dir", "commit", "open_index", "ChunkReader"]
 
@@ -74,11 +77,24 @@ def commit(tmp: Path, path: Path, sizes: dict[str, int], overwrite: bool, token:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _read_json(path: Path, what: str) -> Any:
+def _read_json(path: Path, what: str) -> dict:
     try:
-        return json.loads(path.read_bytes().decode("utf-8"))
+        value = json.loads(path.read_bytes().decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as error:
         raise CheckpointError(f"{path} is not a functional_shard checkpoint {what} (not JSON): {error}") from None
+    if not isinstance(value, dict) or value.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not a functional_shard checkpoint {what}")
+    return value
+
+
+def _files_of(value: dict, path: Path) -> dict[str, int]:
+    """The `files` mapping of the index (file -> rank) or the marker (file -> size), checked."""
+    files = value.get("files")
+    if not isinstance(files, dict) or not all(
+        isinstance(name, str) and _RANK_FILE.fullmatch(name) and isinstance(n, int) for name, n in files.items()
+    ):
+        raise CheckpointError(f"{path} lists malformed files ({files!r:.120})")
+    return files
 
 
 def _missing(directory: Path) -> list[str]:
@@ -89,8 +105,7 @@ def _missing(directory: Path) -> list[str]:
     if not index_path.is_file():
         missing.append(f"{INDEX} (rank 0 writes it first: the save stopped before writing any tensor)")
     else:
-        index = _read_json(index_path, "index")
-        files = index.get("files", {}) if isinstance(index, dict) else {}
+        files = _files_of(_read_json(index_path, "index"), index_path)
         for name, rank in files.items():
             if not (directory / name).is_file():
                 state = "was being written" if (directory / (name + ".tmp")).exists() else "was never written"
@@ -99,7 +114,7 @@ def _missing(directory: Path) -> list[str]:
     if not marker.is_file():
         missing.append(f"the {COMMIT} marker (written last, once every rank's file is on disk)")
     elif files:
-        sizes = _read_json(marker, "commit marker").get("files", {})
+        sizes = _files_of(_read_json(marker, "commit marker"), marker)
         for name, size in sizes.items():
             actual = (directory / name).stat().st_size if (directory / name).is_file() else None
             if actual is not None and actual != size:
@@ -124,8 +139,6 @@ def open_index(path: str | os.PathLike) -> dict:
     if missing:
         raise CheckpointError(f"{path} is an incomplete checkpoint (an interrupted save?); it lacks: " + "; ".join(missing))
     index = _read_json(path / INDEX, "index")
-    if not isinstance(index, dict) or index.get("format") != FORMAT:
-        raise CheckpointError(f"{path}/{INDEX} is not a functional_shard checkpoint index")
     if index.get("version") != VERSION:
         raise CheckpointError(
             f"{path} has checkpoint format version {index.get('version')!r}; this functional_shard reads version {VERSION}"
@@ -143,13 +156,16 @@ class ChunkReader:
     def __init__(self, directory: str | os.PathLike, index: dict):
         self.directory = Path(directory)
         self.entries: dict[str, tuple[Entry, list[tuple[str, str, int, int]]]] = {}
-        for item in index.get("entries", []):
+        items = index.get("entries")
+        if not isinstance(items, list):
+            raise CheckpointError(f"the index of {self.directory} has no list of entries")
+        for item in items:
             entry, chunks = entry_from_json(item)
             self.entries[entry.key] = (entry, sorted(chunks, key=lambda c: c[2]))
-        allowed = set(index.get("files", {}))
+        allowed = set(_files_of(index, self.directory / INDEX))
         for entry, chunks in self.entries.values():
             for file, *_ in chunks:
-                if file not in allowed or "/" in file or "\\" in file:
+                if file not in allowed:
                     raise CheckpointError(f"the chunks of {entry.key!r} name a file {file!r:.80} that the index does not list")
         self._open: dict[str, Any] = {}
 

@@ -210,7 +210,7 @@ def entry_from_json(item: Any) -> tuple[Entry, list[tuple[str, str, int, int]]]:
         if not all(isinstance(d, int) and d >= 0 for d in shape):
             raise TypeError
         chunks = [(str(f), str(n), int(o), int(length)) for f, n, o, length in raw_chunks]
-    except (KeyError, TypeError, ValueError) as error:
+    except (KeyError, TypeError, ValueError, AttributeError) as error:
         raise CheckpointError(f"the checkpoint index has a malformed entry ({item!r:.120})") from error
     entry = Entry(key, tuple(shape), dtype, sharded)
     covered = 0

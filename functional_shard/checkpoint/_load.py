@@ -50,7 +50,7 @@ def load(path: str | os.PathLike, template: StepState) -> StepState:
             f"fs.checkpoint.load expects a template StepState (from step.init(params)); got {type(template).__name__}"
         )
     _check_shards(template.params)
-    layout, mesh = template.params.layout, template.params.mesh
+    mesh = template.params.mesh
     result, error = None, None
     try:
         result = _load_here(os.path.abspath(path), template)
@@ -62,7 +62,6 @@ def load(path: str | os.PathLike, template: StepState) -> StepState:
     failed = [r for r, ok in enumerate(flags) if not ok]
     if failed:
         raise CheckpointError(f"ranks {failed} could not load {path} (see their errors); no rank loaded it")
-    del layout
     return result
 
 

@@ -77,6 +77,8 @@ def save(path: str | os.PathLike, state: StepState, *, overwrite: bool = False) 
             index = _index(state, slots, str(structure), writers)
             _files.write_bytes(tmp / INDEX, _json(index))
         except Exception as e:  # noqa: BLE001 (every rank must learn of it)
+            if code > 0:
+                shutil.rmtree(_partial(path, code), ignore_errors=True)
             code, error = -1, e
     code = int(_all_gather(mesh, [code])[0])
     if error is not None:
