@@ -57,6 +57,11 @@ def save(path: str | os.PathLike, state: StepState, *, overwrite: bool = False) 
     """
     if not isinstance(state, StepState):
         raise TypeError(f"fs.checkpoint.save expects the StepState of a sharded step; got {type(state).__name__}")
+    if getattr(state, "_donated", False):
+        raise CheckpointError(
+            "this state was donated to a step made with donate=True, which updated its tensors in place for the "
+            "state it returned: save the returned state"
+        )
     _check_shards(state.params)
     layout, mesh = state.params.layout, state.params.mesh
     slots, structure = optimizer_slots(state.opt_state, layout)
