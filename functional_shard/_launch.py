@@ -194,7 +194,12 @@ class _Ranks:
             # The first rank to report an error of its own is the cause; the others' errors
             # (a broken connection, a collective timeout, being stopped) are consequences.
             # Dict order is arrival order.
-            real = [r for r, (_, tb) in failures.items() if tb] or list(failures)
+            # A PeerError says outright that another rank failed first.
+            real = (
+                [r for r, (summary, tb) in failures.items() if tb and not summary.startswith("PeerError")]
+                or [r for r, (_, tb) in failures.items() if tb]
+                or list(failures)
+            )
             first = real[0]
             summary, remote_traceback = failures[first]
             raise RankError(first, summary, remote_traceback, {r: s for r, (s, _) in failures.items()})

@@ -20,6 +20,7 @@ import os
 import pickle
 import shutil
 import signal
+import threading
 
 import pytest
 import torch
@@ -42,9 +43,13 @@ class MLPWithBuffer(MLP):
         self.register_buffer("stat", torch.zeros(3))
 
 
+_BUILDING = threading.Lock()  # thread-ranks share torch's global RNG: one builds at a time
+
+
 def make_step(mesh, kind: str = "adamw", *, trace: bool = True, units=None, hidden: int = 16):
-    torch.manual_seed(0)
-    apply_fn, params = fs.functionalize(MLPWithBuffer(hidden))
+    with _BUILDING:
+        torch.manual_seed(0)
+        apply_fn, params = fs.functionalize(MLPWithBuffer(hidden))
 
     def loss_fn(p, batch):
         x, y = batch
@@ -73,7 +78,7 @@ def train(step, state, mesh, steps: range):
 
 def rank_tensors(state) -> list[torch.Tensor]:
     """Every tensor this rank holds: parameter shards, module buffers, optimizer state."""
-    return [t.detach().clone() for t in fs._tree.flatten(state)[0]]
+    return [t.detach().clone() for t in fs.tree_leaves(state)]
 
 
 def full_optimizer_state(state) -> dict[str, torch.Tensor]:

@@ -28,7 +28,7 @@ import optree
 import torch
 
 from .._layout import BufferSpec, Layout
-from .._tree import NAMESPACE
+from .._pytree import NAMESPACE
 
 FORMAT = "functional_shard.checkpoint"
 VERSION = 1

@@ -24,6 +24,8 @@ from ._format import (
 
 __all__ = ["load", "read"]
 
+OPERATION = "fs.checkpoint.load"  # the name every rank states on entering (`BaseMesh.agree`)
+
 
 def load(path: str | os.PathLike, template: StepState) -> StepState:
     """The state saved at `path`, laid out like `template`; every rank calls it.
@@ -51,12 +53,13 @@ def load(path: str | os.PathLike, template: StepState) -> StepState:
         )
     _check_shards(template.params)
     mesh = template.params.mesh
+    mesh.agree(OPERATION)
     result, error = None, None
     try:
         result = _load_here(os.path.abspath(path), template)
     except Exception as e:  # noqa: BLE001 (the other ranks must learn of it)
         error = e
-    flags = mesh.all_gather_world(torch.tensor([0 if error else 1], dtype=torch.int64, device=mesh.device)).tolist()
+    flags = mesh.agree(OPERATION, 0 if error else 1)
     if error is not None:
         raise error
     failed = [r for r, ok in enumerate(flags) if not ok]

@@ -11,7 +11,7 @@ from typing import Iterator
 import torch
 
 from .._layout import Layout
-from .._mesh import _coordinates, _MeshBase
+from .._mesh import BaseMesh, _coordinates
 from .._shard import _check_shards
 from .._step import StepState
 from . import _files
@@ -32,6 +32,8 @@ from ._format import (
 )
 
 __all__ = ["save"]
+
+OPERATION = "fs.checkpoint.save"  # the name every rank states on entering (`BaseMesh.agree`)
 
 
 def save(path: str | os.PathLike, state: StepState, *, overwrite: bool = False) -> None:
@@ -57,13 +59,9 @@ def save(path: str | os.PathLike, state: StepState, *, overwrite: bool = False) 
     """
     if not isinstance(state, StepState):
         raise TypeError(f"fs.checkpoint.save expects the StepState of a sharded step; got {type(state).__name__}")
-    if getattr(state, "_donated", False):
-        raise CheckpointError(
-            "this state was donated to a step made with donate=True, which updated its tensors in place for the "
-            "state it returned: save the returned state"
-        )
     _check_shards(state.params)
     layout, mesh = state.params.layout, state.params.mesh
+    mesh.agree(OPERATION)
     slots, structure = optimizer_slots(state.opt_state, layout)
     path = Path(os.path.abspath(path))
     mesh.check_same("the checkpoint's path and contents", f"{path}|{layout.signature()}|{structure}")
@@ -85,7 +83,7 @@ def save(path: str | os.PathLike, state: StepState, *, overwrite: bool = False) 
             if code > 0:
                 shutil.rmtree(_partial(path, code), ignore_errors=True)
             code, error = -1, e
-    code = int(_all_gather(mesh, [code])[0])
+    code = mesh.agree(OPERATION, code)[0]
     if error is not None:
         raise error
     if code == -1:
@@ -100,19 +98,19 @@ def save(path: str | os.PathLike, state: StepState, *, overwrite: bool = False) 
             size = _files.write_rank_file(tmp / rank_file(mesh.rank), tensors, metadata)
         except Exception as e:  # noqa: BLE001
             error = e
-    reports = _all_gather(mesh, [0 if error else 1, size])
-    failed = [r for r in range(mesh.world_size) if reports[2 * r] != 1]
+    sizes = mesh.agree(OPERATION, -1 if error else size)
+    failed = [r for r, size in enumerate(sizes) if size < 0]
     committed = 0
     if not failed and mesh.rank == 0:
         try:
-            sizes = {rank_file(r): reports[2 * r + 1] for r in sorted(writers.values())}
-            _files.commit(tmp, path, sizes, overwrite, f"{code:016x}")
+            files = {rank_file(r): sizes[r] for r in sorted(writers.values())}
+            _files.commit(tmp, path, files, overwrite, f"{code:016x}")
             committed = 1
         except Exception as e:  # noqa: BLE001
             error = e
     if failed and mesh.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-    committed = int(_all_gather(mesh, [committed])[0])
+    committed = mesh.agree(OPERATION, committed)[0]
     if error is not None:
         raise error
     if failed:
@@ -131,11 +129,7 @@ def _json(index: dict) -> bytes:
     return json.dumps(index, indent=1).encode()
 
 
-def _all_gather(mesh: _MeshBase, values: list[int]) -> list[int]:
-    return mesh.all_gather_world(torch.tensor(values, dtype=torch.int64, device=mesh.device)).tolist()
-
-
-def _writers(mesh: _MeshBase) -> dict[int, int]:
+def _writers(mesh: BaseMesh) -> dict[int, int]:
     """Shard index -> the rank that writes it: the one at coordinate 0 on every replicate axis."""
     writers = {}
     for rank in range(mesh.world_size):

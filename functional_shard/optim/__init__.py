@@ -12,42 +12,85 @@ and `apply` is a traceable tensor program taking them as inputs, so a training s
 can be traced once (e.g. `make_fx(..., tracing_mode="fake")`) and replayed:
 
     sc = opt.scalars(state)                               # eager, every step
-    params, state = traced_apply(grads, state, params, sc)
+    params, state = traced_apply(grads, state, params, sc, inplace=False, mesh=mesh)
+
+In a sharded step `apply` sees this rank's shards; `mesh` (the step's mesh) lets it
+reduce over the whole model with `global_sum` / `global_norm`.
+
+Optimizers compose with gradient transformations (updates -> updates):
+
+    opt = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(1e-3))
+
+Writing one: `make_optimizer(init, scalars, apply)` from the blocks `check_params`,
+`check_like`, `as_schedule`, `scalar`, `zeros_like`, `clone` and `apply_per_leaf`
+(an example is in `functional_shard/optim/_blocks.py`).
 
 Results are bit-identical to `torch.optim.AdamW` / `torch.optim.SGD` stepping the
 same tensors on CPU.
 """
 
-from ._adamw import AdamWState, adamw
-from ._base import (
-    ApplyFn,
-    Grads,
-    InitFn,
-    Optimizer,
-    OptState,
-    Params,
-    ScalarOrSchedule,
-    Scalars,
-    ScalarsFn,
-    Schedule,
-    UpdateFn,
-)
-from ._sgd import SGDState, sgd
+from ._adamw import AdamWState as AdamWState
+from ._adamw import adamw as adamw
+from ._base import ApplyFn as ApplyFn
+from ._base import EmptyState as EmptyState
+from ._base import GradientTransformation as GradientTransformation
+from ._base import Grads as Grads
+from ._base import InitFn as InitFn
+from ._base import LRSchedule as LRSchedule
+from ._base import Optimizer as Optimizer
+from ._base import OptState as OptState
+from ._base import Params as Params
+from ._base import ScalarOrSchedule as ScalarOrSchedule
+from ._base import Scalars as Scalars
+from ._base import ScalarsFn as ScalarsFn
+from ._base import UpdateFn as UpdateFn
+from ._base import Updates as Updates
+from ._base import make_optimizer as make_optimizer
+from ._base import make_transformation as make_transformation
+from ._blocks import apply_per_leaf as apply_per_leaf
+from ._blocks import as_schedule as as_schedule
+from ._blocks import check_like as check_like
+from ._blocks import check_params as check_params
+from ._blocks import clone as clone
+from ._blocks import zeros_like as zeros_like
+from ._chain import chain as chain
+from ._clip import clip_by_global_norm as clip_by_global_norm
+from ._exact import scalar as scalar
+from ._global import global_norm as global_norm
+from ._global import global_sum as global_sum
+from ._sgd import SGDState as SGDState
+from ._sgd import sgd as sgd
 
 __all__ = [
-    "Optimizer",
-    "InitFn",
-    "UpdateFn",
-    "ScalarsFn",
-    "ApplyFn",
-    "Scalars",
-    "Params",
-    "Grads",
-    "OptState",
-    "Schedule",
-    "ScalarOrSchedule",
     "AdamWState",
-    "adamw",
+    "ApplyFn",
+    "EmptyState",
+    "GradientTransformation",
+    "Grads",
+    "InitFn",
+    "LRSchedule",
+    "OptState",
+    "Optimizer",
+    "Params",
     "SGDState",
+    "ScalarOrSchedule",
+    "Scalars",
+    "ScalarsFn",
+    "UpdateFn",
+    "Updates",
+    "adamw",
+    "apply_per_leaf",
+    "as_schedule",
+    "chain",
+    "check_like",
+    "check_params",
+    "clip_by_global_norm",
+    "clone",
+    "global_norm",
+    "global_sum",
+    "make_optimizer",
+    "make_transformation",
+    "scalar",
     "sgd",
+    "zeros_like",
 ]

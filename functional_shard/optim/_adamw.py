@@ -4,22 +4,12 @@ from __future__ import annotations
 
 from typing import NamedTuple, Optional
 
-import optree
 import torch
 from torch.optim.optimizer import _get_scalar_dtype
 
 from . import _exact
-from ._base import (
-    Grads,
-    Optimizer,
-    Params,
-    Scalars,
-    ScalarOrSchedule,
-    _check_like,
-    _check_params,
-    _clone,
-    _lr_fn,
-)
+from ._base import Optimizer, Params, ScalarOrSchedule, Scalars, make_optimizer
+from ._blocks import apply_per_leaf, as_schedule, check_params, zeros_like
 
 __all__ = ["AdamWState", "adamw"]
 
@@ -71,9 +61,10 @@ def adamw(
         - "neg_step_size": `-(lr / (1 - beta1 ** step))`.
         - "bias_correction2_sqrt": `(1 - beta2 ** step) ** 0.5`.
 
-    * `apply(grads, state, params, scalars)` (traceable): tensor ops only, consuming the
-      scalars above as tensors; `betas`, `eps`, `weight_decay`, `amsgrad` and `maximize`
-      never change and are baked in as Python constants. The new `count` is
+    * `apply(grads, state, params, scalars, *, inplace=False, mesh=None)` (traceable):
+      tensor ops only, consuming the scalars above as tensors; `betas`, `eps`,
+      `weight_decay`, `amsgrad` and `maximize` never change and are baked in as Python
+      constants; `mesh` is not used (the update is elementwise). The new `count` is
       `state.count + 1`. Each op with a varying Scalar argument is replaced by its exact
       tensor form (see `functional_shard/optim/_exact.py`); e.g.
       `param.addcdiv_(exp_avg, denom, value=-step_size)` becomes
@@ -85,20 +76,17 @@ def adamw(
     bfloat16/float16 and complex params (updated, as torch does, on real views).
 
     Arguments:
-      lr: learning rate. Either a non-negative float, or a schedule: a callable
-        `count -> float` where `count` is the number of updates already applied
-        (0 on the first update, 1 on the second, ...). `base_lr * f(count)` matches
-        `torch.optim.lr_scheduler.LambdaLR(opt, f)` stepped once after each update.
-      betas: coefficients of the running averages of the gradient and its square.
-      eps: term added to the denominator for numerical stability.
-      weight_decay: decoupled weight decay coefficient.
-      amsgrad: whether to use the AMSGrad variant (keeps `max_exp_avg_sq`).
-      maximize: maximize the objective instead of minimizing it.
+        lr: learning rate: a non-negative float, or a schedule `count -> float` (see
+            `as_schedule`; `count` is the number of updates already applied).
+        betas: coefficients of the running averages of the gradient and its square.
+        eps: term added to the denominator for numerical stability.
+        weight_decay: decoupled weight decay coefficient.
+        amsgrad: whether to use the AMSGrad variant (keeps `max_exp_avg_sq`).
+        maximize: maximize the objective instead of minimizing it.
 
-    Returns:
-      An `Optimizer` whose state is an `AdamWState`.
+    Returns an `Optimizer` whose state is an `AdamWState`.
     """
-    lr_fn = _lr_fn(lr)
+    lr_at = as_schedule(lr)
     beta1, beta2 = (float(b) for b in betas)
     eps = float(eps)
     weight_decay = float(weight_decay)
@@ -114,27 +102,21 @@ def adamw(
     _exact.warm_up()
 
     def init(params: Params) -> AdamWState:
-        _check_params(params)
-
-        def zeros(tree: Params) -> Params:
-            return optree.tree_map(
-                lambda p: torch.zeros_like(p, memory_format=torch.preserve_format), tree
-            )
-
+        check_params(params)
         return AdamWState(
             # Mirrors torch's non-capturable, non-fused step: hosted on CPU so reading
             # it (for the schedule and bias correction) never syncs a device.
             count=torch.tensor(0.0, dtype=_get_scalar_dtype(), device="cpu"),
-            exp_avg=zeros(params),
-            exp_avg_sq=zeros(params),
-            max_exp_avg_sq=zeros(params) if amsgrad else None,
+            exp_avg=zeros_like(params),
+            exp_avg_sq=zeros_like(params),
+            max_exp_avg_sq=zeros_like(params) if amsgrad else None,
         )
 
     def scalars(state: AdamWState) -> Scalars:
         count = state.count.detach()
         # torch: `step_t += 1` on its step tensor, then `step = step_t.item()`.
         step = (count + 1).item()
-        step_lr = lr_fn(int(count.item()))
+        step_lr = lr_at(int(count.item()))
         bias_correction1 = 1 - beta1**step
         bias_correction2 = 1 - beta2**step
         step_size = step_lr / bias_correction1
@@ -146,34 +128,16 @@ def adamw(
             "bias_correction2_sqrt": _exact.scalar(bias_correction2_sqrt),
         }
 
-    def apply(
-        grads: Grads, state: AdamWState, params: Params, scalars: Scalars, *, inplace: bool = False
-    ) -> tuple[Params, AdamWState]:
-        accessors, p_leaves, spec = _check_params(params)
-        g_leaves = _check_like("grads", grads, accessors, p_leaves, spec)
-        m_leaves = _check_like("state.exp_avg", state.exp_avg, accessors, p_leaves, spec)
-        v_leaves = _check_like("state.exp_avg_sq", state.exp_avg_sq, accessors, p_leaves, spec)
-        if amsgrad:
-            if state.max_exp_avg_sq is None:
-                raise ValueError("state.max_exp_avg_sq is None but amsgrad=True")
-            vmax_leaves = _check_like(
-                "state.max_exp_avg_sq", state.max_exp_avg_sq, accessors, p_leaves, spec
-            )
-        else:
-            vmax_leaves = [None] * len(p_leaves)
+    def apply(grads, state, params, scalars, *, inplace=False, mesh=None):  # an ApplyFn
+        if amsgrad and state.max_exp_avg_sq is None:
+            raise ValueError("state.max_exp_avg_sq is None but amsgrad=True")
         decay = scalars["decay"]
         neg_step_size = scalars["neg_step_size"]
         bias_correction2_sqrt = scalars["bias_correction2_sqrt"]
 
         def step_leaf(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq) -> None:
             # torch's loop body for one parameter (non-capturable, non-differentiable
-            # branch), in place on our private clones. 0-d leaves are viewed as shape
-            # (1,) so the 0-d float64 scalars lose type promotion to them (_exact).
-            param, grad, exp_avg, exp_avg_sq = map(
-                _exact.as_1d, (param, grad, exp_avg, exp_avg_sq)
-            )
-            if max_exp_avg_sq is not None:
-                max_exp_avg_sq = _exact.as_1d(max_exp_avg_sq)
+            # branch), in place on our private copies.
             if maximize:
                 grad = -grad
             if weight_decay != 0:
@@ -195,25 +159,13 @@ def adamw(
             # param.addcdiv_(exp_avg, denom, value=-step_size)
             _exact.addcdiv_scaled_(param, exp_avg, denom, neg_step_size)
 
-        with torch.no_grad():
-            new_p = _clone(p_leaves, inplace)
-            new_m = _clone(m_leaves, inplace)
-            new_v = _clone(v_leaves, inplace)
-            new_vmax = _clone(vmax_leaves, inplace) if amsgrad else vmax_leaves
-            for leaves in zip(new_p, g_leaves, new_m, new_v, new_vmax):
-                step_leaf(*leaves)
-            new_count = state.count.detach() + 1
+        states = {
+            "exp_avg": state.exp_avg,
+            "exp_avg_sq": state.exp_avg_sq,
+            "max_exp_avg_sq": state.max_exp_avg_sq if amsgrad else None,
+        }
+        new_params, new = apply_per_leaf(step_leaf, grads, params, states, inplace=inplace)
+        new_state = AdamWState(count=state.count.detach() + 1, **new)
+        return new_params, new_state
 
-        unflatten = lambda leaves: optree.tree_unflatten(spec, leaves)  # noqa: E731
-        new_state = AdamWState(
-            count=new_count,
-            exp_avg=unflatten(new_m),
-            exp_avg_sq=unflatten(new_v),
-            max_exp_avg_sq=unflatten(new_vmax) if amsgrad else None,
-        )
-        return unflatten(new_p), new_state
-
-    def update(grads: Grads, state: AdamWState, params: Params) -> tuple[Params, AdamWState]:
-        return apply(grads, state, params, scalars(state))
-
-    return Optimizer(init=init, update=update, scalars=scalars, apply=apply)
+    return make_optimizer(init, scalars, apply)

@@ -1,4 +1,5 @@
-"""Base types and shared helpers for `functional_shard.optim`.
+"""The types of `functional_shard.optim`: `Optimizer`, `GradientTransformation`, and the
+helpers that build them from their `init`, `scalars` and `apply` functions.
 
 An optimizer is a set of pure functions, in the style of optax:
 
@@ -9,27 +10,28 @@ An optimizer is a set of pure functions, in the style of optax:
 `update` is split in two so that a whole training step can be traced once and
 replayed: `scalars(state)` computes, in Python, every value that changes from step to
 step (learning rate, bias corrections, ...) as 0-d float64 tensors, and
-`apply(grads, state, params, scalars)` is the traceable tensor program that consumes
-them. `update(g, s, p)` is exactly `apply(g, s, p, scalars(s))`.
+`apply(grads, state, params, scalars, *, inplace, mesh)` is the traceable tensor program
+that consumes them. `update(g, s, p)` is exactly `apply(g, s, p, scalars(s))`.
 
-`apply` mirrors torch's own single-tensor kernels (`torch.optim.adam._single_tensor_adam`,
-`torch.optim.sgd._single_tensor_sgd`) op for op, keeping their constant Python scalars
-and feeding the varying ones as tensors through the exact forms in `_exact`, so results
-are bit-identical to `torch.optim` on CPU.
+A `GradientTransformation` has the same four functions but maps gradients to new
+gradients ("updates") instead of params to new params; `chain` runs transformations
+before an optimizer.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Sequence, Union
+import inspect
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Protocol, Union
 
-import optree
-import torch
+if TYPE_CHECKING:  # annotations only: the mesh's class is the core's business
+    from .._mesh import _MeshBase
 
 __all__ = [
     "Params",
     "Grads",
+    "Updates",
     "OptState",
-    "Schedule",
+    "LRSchedule",
     "ScalarOrSchedule",
     "InitFn",
     "UpdateFn",
@@ -37,48 +39,88 @@ __all__ = [
     "ScalarsFn",
     "ApplyFn",
     "Optimizer",
+    "GradientTransformation",
+    "EmptyState",
+    "make_optimizer",
+    "make_transformation",
 ]
 
-# Any optree pytree whose leaves are tensors, e.g. a dict or tuple of flat 1-D buffers.
+# Any optree pytree whose leaves are tensors, e.g. a dict of flat 1-D shard buffers.
 Params = Any
 # A pytree with exactly the structure of `Params`, leaf for leaf the same shape and dtype.
 Grads = Any
-# A NamedTuple of tensors and `Params`-like trees; each optimizer defines its own.
+# Gradients on their way through a chain of transformations: like `Grads`.
+Updates = Any
+# A pytree of tensors (a NamedTuple for the built-in optimizers, a tuple for `chain`).
 OptState = Any
-# Maps `count`, the number of updates already applied (0 on the first update), to a value.
-Schedule = Callable[[int], float]
-ScalarOrSchedule = Union[float, Schedule]
+# Maps `count`, the number of updates already applied (0 on the first update), to a
+# learning rate. (Not to be confused with `fs.Schedule`, the schedule of collectives.)
+LRSchedule = Callable[[int], float]
+ScalarOrSchedule = Union[float, LRSchedule]
+# The per-step values `apply` consumes: a pytree of 0-d float64 CPU tensors (a
+# `dict[str, Tensor]` for the built-in optimizers, a tuple of those for `chain`).
+Scalars = Any
 
 InitFn = Callable[[Params], OptState]
-UpdateFn = Callable[[Grads, OptState, Params], tuple[Params, OptState]]
-# The per-step values `apply` consumes, each a 0-d float64 CPU tensor.
-Scalars = dict[str, torch.Tensor]
 ScalarsFn = Callable[[OptState], Scalars]
-ApplyFn = Callable[[Grads, OptState, Params, Scalars], tuple[Params, OptState]]
+
+
+class UpdateFn(Protocol):
+    """`update(grads, state, params, *, mesh=None) -> (new_params, new_state)`."""
+
+    def __call__(
+        self, grads: Grads, state: OptState, params: Params, /, *, mesh: Optional[_MeshBase] = None
+    ) -> tuple[Params, OptState]: ...
+
+
+class ApplyFn(Protocol):
+    """`apply(grads, state, params, scalars, *, inplace=False, mesh=None) -> (out, new_state)`.
+
+    `out` is the new params for an `Optimizer`, the new updates for a
+    `GradientTransformation`. `inplace` and `mesh` are keyword-only; every apply must
+    accept both, even if it ignores them.
+    """
+
+    def __call__(
+        self,
+        grads: Grads,
+        state: OptState,
+        params: Params,
+        scalars: Scalars,
+        /,
+        *,
+        inplace: bool = False,
+        mesh: Optional[_MeshBase] = None,
+    ) -> tuple[Any, OptState]: ...
 
 
 class Optimizer(NamedTuple):
-    """The pure functions that together define an optimizer.
+    """The pure functions that together define an optimizer (params -> new params).
+
+    Build one with `make_optimizer(init, scalars, apply)`, which writes `update`.
 
     Arguments:
-      init: `init(params) -> state`; builds the initial optimizer state for `params`.
-      update: `update(grads, state, params) -> (new_params, new_state)`; applies one
-        optimizer step. It never mutates `grads`, `state` or `params`: the returned
-        params and state are freshly allocated tensors. Exactly
-        `apply(grads, state, params, scalars(state))`.
-      scalars: `scalars(state) -> dict[str, Tensor]`; everything that changes from step
-        to step (the scheduled learning rate and what derives from it and from the step
-        count), computed in Python double precision exactly as torch's kernel computes
-        it, each value a 0-d float64 CPU tensor. It reads the step count with `.item()`,
-        so call it eagerly, outside any trace, once per step.
-      apply: `apply(grads, state, params, scalars) -> (new_params, new_state)`; the
-        update itself, written to be traced once (e.g. with
-        `make_fx(..., tracing_mode="fake")`) and replayed every step: tensor ops only,
-        no `.item()`, no branching on tensor values; the per-step values come in as the
-        `scalars` tensors, while hyperparameters that never change are baked in as
-        Python constants. It never mutates its inputs, unless called with
-        `inplace=True`: then the caller donates `params` and the state's tensors, and
-        the update overwrites them (as `torch.optim` does) instead of copying them.
+        init: `init(params) -> state`; builds the initial optimizer state for `params`.
+        update: `update(grads, state, params, *, mesh=None) -> (new_params, new_state)`;
+            applies one optimizer step. It never mutates `grads`, `state` or `params`: the
+            returned params and state are freshly allocated tensors. Exactly
+            `apply(grads, state, params, scalars(state), mesh=mesh)`.
+        scalars: `scalars(state) -> Scalars`; everything that changes from step to step (the
+            scheduled learning rate and what derives from it and from the step count),
+            computed in Python double precision exactly as torch's kernel computes it,
+            each value a 0-d float64 CPU tensor. It reads the step count with `.item()`,
+            so call it eagerly, outside any trace, once per step.
+        apply: `apply(grads, state, params, scalars, *, inplace=False, mesh=None) ->
+            (new_params, new_state)`; the update itself, written to be traced once (e.g.
+            with `make_fx(..., tracing_mode="fake")`) and replayed every step: tensor ops
+            only, no `.item()`, no branching on tensor values; the per-step values come in
+            as the `scalars` tensors, while hyperparameters that never change are baked in
+            as Python constants. It never mutates its inputs, unless called with
+            `inplace=True`: then the caller donates `grads`, `params` and the state's
+            tensors, and the update may overwrite them (as `torch.optim` does) instead of
+            copying them. `mesh` is the mesh of the sharded step that calls it (None
+            outside one): `grads` and `params` are then this rank's shards, and a
+            reduction over the whole model is `global_sum(x, mesh)`.
     """
 
     init: InitFn
@@ -87,112 +129,83 @@ class Optimizer(NamedTuple):
     apply: ApplyFn
 
 
-def _lr_fn(lr: ScalarOrSchedule) -> Schedule:
-    """Normalizes `lr` (a float or a schedule) into a schedule.
+class GradientTransformation(NamedTuple):
+    """The pure functions of a gradient transformation (updates -> new updates).
+
+    Like `Optimizer`, but `apply` returns transformed updates (same structure, shapes and
+    dtypes as params) instead of new params; `chain(t1, ..., optimizer)` feeds them to
+    an optimizer. Build one with `make_transformation(init, scalars, apply)`.
 
     Arguments:
-      lr: a non-negative float, or a callable `count -> float`.
-
-    Returns:
-      A callable `count -> float`.
+        init: `init(params) -> state`.
+        update: `update(updates, state, params, *, mesh=None) -> (new_updates, new_state)`;
+            `apply(updates, state, params, scalars(state), mesh=mesh)`.
+        scalars: `scalars(state) -> Scalars`, as for `Optimizer` (`{}` when there are none).
+        apply: `apply(updates, state, params, scalars, *, inplace=False, mesh=None) ->
+            (new_updates, new_state)`; traceable, as for `Optimizer`. `params` is read
+            only. With `inplace=True` the caller donates `updates` and the state's tensors.
     """
-    if callable(lr):
-        return lambda count: float(lr(count))
-    value = float(lr)
-    # Same check (and message) as torch.optim's constructors.
-    if not 0.0 <= value:
-        raise ValueError(f"Invalid learning rate: {lr}")
-    return lambda count: value
+
+    init: InitFn
+    update: UpdateFn
+    scalars: ScalarsFn
+    apply: ApplyFn
 
 
-def _flatten(tree: Any) -> tuple[list[Any], list[Any], optree.PyTreeSpec]:
-    # Accessors rather than raw paths: they print as `params['w'][0]`, keeping the
-    # container type (dict key vs. namedtuple field) visible in error messages.
-    return optree.tree_flatten_with_accessor(tree)
+class EmptyState(NamedTuple):
+    """The state of a stateless transformation: no leaves."""
 
 
-def _check_params(tree: Params) -> tuple[list[Any], list[torch.Tensor], optree.PyTreeSpec]:
-    """Flattens `params` and checks that every leaf is a float or complex tensor.
+def make_optimizer(init: InitFn, scalars: ScalarsFn, apply: ApplyFn) -> Optimizer:
+    """An `Optimizer` from its three functions; writes `update = apply(..., scalars(state))`.
 
     Arguments:
-      tree: the params pytree.
+        init: `init(params) -> state`.
+        scalars: `scalars(state) -> Scalars` (eager).
+        apply: `apply(grads, state, params, scalars, *, inplace=False, mesh=None) ->
+            (new_params, new_state)` (traceable); must accept `inplace` and `mesh` by keyword.
 
-    Returns:
-      `(accessors, leaves, treespec)` of `tree`.
+    Returns an `Optimizer`.
     """
-    accessors, leaves, spec = _flatten(tree)
-    for acc, leaf in zip(accessors, leaves):
-        where = acc.codify("params")
-        if not isinstance(leaf, torch.Tensor):
-            raise TypeError(
-                f"{where}: params leaves must be torch.Tensor, got {type(leaf).__name__}"
-            )
-        if leaf.layout != torch.strided:
-            raise TypeError(f"{where}: only strided (dense) tensors are supported, got {leaf.layout}")
-        if not (leaf.is_floating_point() or leaf.is_complex()):
-            raise TypeError(
-                f"{where}: params leaves must have a floating point (or complex) dtype, "
-                f"got {leaf.dtype} with shape {tuple(leaf.shape)}"
-            )
-    return accessors, leaves, spec
+    return Optimizer(init=init, update=_update_of(scalars, apply), scalars=scalars, apply=apply)
 
 
-def _check_like(
-    name: str,
-    tree: Any,
-    accessors: Sequence[Any],
-    ref_leaves: Sequence[torch.Tensor],
-    ref_spec: optree.PyTreeSpec,
-) -> list[torch.Tensor]:
-    """Checks that `tree` matches params leaf for leaf: structure, shape, dtype, device.
+def make_transformation(init: InitFn, scalars: ScalarsFn, apply: ApplyFn) -> GradientTransformation:
+    """A `GradientTransformation` from its three functions, as `make_optimizer`.
 
     Arguments:
-      name: how to call `tree` in error messages, e.g. "grads" or "state.exp_avg".
-      tree: the pytree to check.
-      accessors: accessors of the params leaves, from `_check_params`.
-      ref_leaves: the params leaves.
-      ref_spec: the params treespec.
+        init: `init(params) -> state`.
+        scalars: `scalars(state) -> Scalars` (eager; return `{}` if there are none).
+        apply: `apply(updates, state, params, scalars, *, inplace=False, mesh=None) ->
+            (new_updates, new_state)` (traceable); must accept `inplace` and `mesh` by keyword.
 
-    Returns:
-      The leaves of `tree`, in the params' leaf order.
+    Returns a `GradientTransformation`.
     """
-    tree_accessors, leaves, spec = _flatten(tree)
-    if spec != ref_spec:
-        want = [a.codify(name) for a in accessors]
-        got = [a.codify(name) for a in tree_accessors]
-        missing = [p for p in want if p not in set(got)]
-        extra = [p for p in got if p not in set(want)]
-        detail = []
-        if missing:
-            detail.append(f"missing leaves {missing[:5]}")
-        if extra:
-            detail.append(f"unexpected leaves {extra[:5]}")
-        detail = "; ".join(detail) or "same leaf paths but different container types"
-        raise ValueError(
-            f"{name} structure does not match params: {detail}.\n"
-            f"  params: {ref_spec}\n  {name}: {spec}"
+    return GradientTransformation(init=init, update=_update_of(scalars, apply), scalars=scalars, apply=apply)
+
+
+def _update_of(scalars: ScalarsFn, apply: ApplyFn) -> UpdateFn:
+    _check_apply_signature(apply)
+
+    def update(grads: Grads, state: OptState, params: Params, *, mesh: Optional[_MeshBase] = None):
+        return apply(grads, state, params, scalars(state), mesh=mesh)
+
+    return update
+
+
+def _check_apply_signature(apply: ApplyFn) -> None:
+    """Fails now, not in the middle of a step, when `apply` cannot take the keyword arguments."""
+    try:
+        parameters = inspect.signature(apply).parameters
+    except (TypeError, ValueError):  # builtins, some C callables: trust them
+        return
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return
+    missing = [name for name in ("inplace", "mesh") if name not in parameters]
+    if missing:
+        name = getattr(apply, "__qualname__", repr(apply))
+        raise TypeError(
+            f"apply {name} must accept the keyword arguments `inplace` and `mesh` (missing: "
+            f"{', '.join(missing)}); write it as `def apply(grads, state, params, scalars, *, "
+            "inplace=False, mesh=None)` and ignore the ones it does not use"
         )
-    for acc, ref, leaf in zip(accessors, ref_leaves, leaves):
-        where = acc.codify(name)
-        if not isinstance(leaf, torch.Tensor):
-            raise TypeError(f"{where}: expected a torch.Tensor, got {type(leaf).__name__}")
-        if leaf.shape != ref.shape or leaf.dtype != ref.dtype:
-            raise ValueError(
-                f"{where} has shape {tuple(leaf.shape)} and dtype {leaf.dtype}, but the "
-                f"matching params leaf has shape {tuple(ref.shape)} and dtype {ref.dtype}"
-            )
-        if leaf.device != ref.device:
-            raise ValueError(
-                f"{where} is on device {leaf.device}, but the matching params leaf "
-                f"is on {ref.device}"
-            )
-        if leaf.layout != torch.strided:
-            raise TypeError(f"{where}: only strided (dense) tensors are supported, got {leaf.layout}")
-    return leaves
-
-
-def _clone(leaves: Sequence[torch.Tensor], inplace: bool = False) -> list[torch.Tensor]:
-    # detach: outputs must not join the autograd graph of nn.Parameter inputs;
-    # clone keeps torch's preserve_format, like the zeros_like torch uses for state.
-    # inplace: the caller donates these tensors, so the update may overwrite them.
-    return [t.detach() if inplace else t.detach().clone() for t in leaves]
