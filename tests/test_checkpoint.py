@@ -55,7 +55,11 @@ def make_step(mesh, kind: str = "adamw", *, trace: bool = True, units=None, hidd
         x, y = batch
         return F.cross_entropy(apply_fn(p, x), y)
 
-    optimizer = fs.optim.adamw(1e-2, weight_decay=0.1) if kind == "adamw" else fs.optim.sgd(0.1, momentum=0.9)
+    optimizer = {
+        "adamw": lambda: fs.optim.adamw(1e-2, weight_decay=0.1),
+        "sgd": lambda: fs.optim.sgd(0.1, momentum=0.9),
+        "chain": lambda: fs.optim.chain(fs.optim.clip_by_global_norm(1.0), fs.optim.adamw(1e-2, weight_decay=0.1)),
+    }[kind]()
     step = fs.sharded_step(loss_fn, mesh, optimizer=optimizer, schedule=fs.Schedule(trace=trace), units=units)
     return step, params
 
@@ -308,6 +312,32 @@ def buffers_are_rank_zeros(mesh, path: str, save: bool):
         fs.checkpoint.save(path, state)
         return None
     return fs.checkpoint.load(path, state).params.local[0]
+
+
+def chain_save_or_load(mesh, path: str, save: bool):
+    step, params = make_step(mesh, "chain", trace=False)
+    state = step.init(params)
+    if save:
+        state = train(step, state, mesh, range(2))
+        fs.checkpoint.save(path, state)
+        return full_state(state)
+    state = fs.checkpoint.load(path, state)
+    return full_state(train(step, state, mesh, range(2, 3)))
+
+
+def test_nested_optimizer_state_of_a_chain(tmp_path):
+    path = str(tmp_path / "c")
+    saved = fs.testing.SimulatedWorld(2).run(chain_save_or_load, path, True)[0]
+    on_disk = fs.checkpoint.read(path)
+    assert "opt/1/count" in on_disk and "opt/1/exp_avg/blocks.0.fc1.weight" in on_disk, sorted(on_disk)[:8]
+    assert set(on_disk) == set(saved) and all(torch.equal(on_disk[k], saved[k]) for k in saved)
+    # Loaded at 3 ranks and at 2, one more step each: the same training to fp32 rounding.
+    at_3 = fs.testing.SimulatedWorld(3).run(chain_save_or_load, path, False)[0]
+    at_2 = fs.testing.SimulatedWorld(2).run(chain_save_or_load, path, False)[0]
+    assert set(at_3) == set(at_2) == set(saved)
+    for key in at_2:
+        scale = float(at_2[key].abs().max()) or 1.0
+        assert float((at_3[key] - at_2[key]).abs().max()) <= 1e-5 * scale, key
 
 
 def test_module_buffers_are_rank_zeros(tmp_path):
