@@ -8,6 +8,7 @@
 """
 
 from . import optim as optim
+from . import checkpoint as checkpoint
 from . import testing as testing
 from ._export import export as export
 from ._functionalize import functionalize as functionalize
@@ -69,6 +70,7 @@ __all__ = [
     "StepState",
     "TraceError",
     "all_reduce",
+    "checkpoint",
     "export",
     "functionalize",
     "gather",

@@ -1,0 +1,18 @@
+"""Sharded checkpoints of training states: `save(path, state)`, `load(path, template)`, `read(path)`.
+
+    fs.checkpoint.save("ckpt/step-1000", state)                 # every rank
+    state = fs.checkpoint.load("ckpt/step-1000", step.init(params))   # any world size, mesh or units
+
+A checkpoint is a directory: `index.json` (names, shapes, dtypes, where each chunk is, the
+optimizer's structure, the step, a format version), one safetensors file per writing rank, and
+a `COMMIT` marker written last. Tensors are named by leaf path and stored as full logical
+tensors cut into 1-D chunks, so a checkpoint depends on neither the world size nor the unit
+policy. See docs/checkpoints.md.
+"""
+
+from ._format import CheckpointError as CheckpointError
+from ._load import load as load
+from ._load import read as read
+from ._save import save as save
+
+__all__ = ["CheckpointError", "load", "read", "save"]

@@ -1,0 +1,131 @@
+"""`load`: every rank reads the ranges its own shards need, whatever layout wrote them; `read`:
+a checkpoint's full tensors in one process."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from .._layout import BufferSpec, Layout
+from .._shard import _check_shards
+from .._step import StepState
+from ._files import ChunkReader, open_index
+from ._format import (
+    CheckpointError,
+    check_compatible,
+    entries_of,
+    model_key,
+    optimizer_key,
+    optimizer_slots,
+    shard_pieces,
+)
+
+__all__ = ["load", "read"]
+
+OPERATION = "fs.checkpoint.load"  # the name every rank states on entering (`BaseMesh.agree`)
+
+
+def load(path: str | os.PathLike, template: StepState) -> StepState:
+    """The state saved at `path`, laid out like `template`; every rank calls it.
+
+    Arguments:
+        path: a checkpoint directory written by `fs.checkpoint.save`, the same on every rank.
+        template: a `StepState` of the step that will continue training, e.g.
+            `step.init(params)`: it gives the mesh, the unit layout and the optimizer state's
+            structure. Its values are ignored and never modified.
+
+    Returns a new `StepState` of the template's step, holding the saved parameters, optimizer
+    state and step number. The checkpoint may come from any world size, mesh (hybrid or not)
+    or unit policy: each rank reads exactly the ranges of each leaf that its shards cover, so
+    the gathered values equal the saved ones bit for bit. Module buffers (stored once, from
+    rank 0 at save time) are given to every rank.
+
+    Raises `CheckpointError`, on every rank and before any tensor is read, if the checkpoint is
+    incomplete (naming what is missing: an interrupted save), is not a checkpoint, or does not
+    fit the template (naming the first leaf whose path, shape or dtype differs, or the optimizer
+    structure). Reads JSON and safetensors only: nothing in the files is executed.
+    """
+    if not isinstance(template, StepState):
+        raise TypeError(
+            f"fs.checkpoint.load expects a template StepState (from step.init(params)); got {type(template).__name__}"
+        )
+    _check_shards(template.params)
+    mesh = template.params.mesh
+    mesh.agree(OPERATION)
+    result, error = None, None
+    try:
+        result = _load_here(os.path.abspath(path), template)
+    except Exception as e:  # noqa: BLE001 (the other ranks must learn of it)
+        error = e
+    flags = mesh.agree(OPERATION, 0 if error else 1)
+    if error is not None:
+        raise error
+    failed = [r for r, ok in enumerate(flags) if not ok]
+    if failed:
+        raise CheckpointError(f"ranks {failed} could not load {path} (see their errors); no rank loaded it")
+    return result
+
+
+def _load_here(path: str, template: StepState) -> StepState:
+    sharded = template.params
+    layout, mesh = sharded.layout, sharded.mesh
+    slots, structure = optimizer_slots(template.opt_state, layout)
+    expected = entries_of(layout, slots)
+    index = open_index(path)
+    with ChunkReader(path, index) as reader:
+        saved = [entry for entry, _ in reader.entries.values()]
+        check_compatible(saved, index.get("optimizer_structure"), expected, str(structure), f"checkpoint {path}")
+        step = index.get("step")
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise CheckpointError(f"checkpoint {path} has a malformed step count {step!r:.40}")
+
+        def model(i: int) -> str:
+            return model_key(layout, i)
+
+        shards = [
+            _read_shard(reader, layout, spec, mesh.shard_index, model, spec.dtype, s.device)
+            for spec, s in zip(layout.buffers, sharded.shards)
+        ]
+        local = [reader.read(model(i)).to(t.device) for i, t in zip(layout.local, sharded.local)]
+        leaves: list[Any] = []
+        for slot in slots:
+            if slot.param_like:
+
+                def key_of(i: int, prefix: str = slot.path) -> str:
+                    return optimizer_key(prefix, layout.paths[i])
+
+                leaves.append(
+                    {
+                        spec.name: _read_shard(
+                            reader, layout, spec, mesh.shard_index, key_of, slot.value[spec.name].dtype, slot.value[spec.name].device
+                        )
+                        for spec in layout.buffers
+                        if spec.trainable
+                    }
+                )
+            else:
+                leaves.append(reader.read(optimizer_key(slot.path)).to(slot.value.device))
+    opt_state = structure.unflatten(leaves)
+    return template.replace(params=sharded.replace(shards=shards, local=local), opt_state=opt_state, step=step)
+
+
+def _read_shard(reader: ChunkReader, layout: Layout, spec: BufferSpec, shard_index: int, key_of, dtype, device) -> torch.Tensor:
+    """Shard `shard_index` of buffer `spec` (`[spec.shard_numel]`, padding zero) from the saved leaves."""
+    out = torch.zeros(spec.shard_numel, dtype=dtype)
+    for piece in shard_pieces(spec, shard_index):
+        out[piece.shard_offset : piece.shard_offset + piece.length] = reader.read_range(
+            key_of(piece.leaf), piece.leaf_offset, piece.length
+        )
+    return out.to(device)
+
+
+def read(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint at `path`, whole, by name (`params/<leaf path>`,
+    `opt/<state path>/<leaf path>`, `opt/<state path>`), in one process: for inspection and
+    conversion. The step number and what saved it are in `<path>/index.json`."""
+    path = os.path.abspath(path)
+    index = open_index(path)
+    with ChunkReader(path, index) as reader:
+        return {key: reader.read(key) for key in reader.entries}

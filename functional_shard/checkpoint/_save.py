@@ -1,0 +1,210 @@
+"""`save`: every rank writes its own chunks of a `StepState`; rank 0 commits the directory."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from .._layout import Layout
+from .._mesh import BaseMesh, _coordinates
+from .._shard import _check_shards
+from .._step import StepState
+from . import _files
+from ._format import (
+    FORMAT,
+    INDEX,
+    VERSION,
+    CheckpointError,
+    OptimizerSlot,
+    Piece,
+    entries_of,
+    entry_to_json,
+    model_key,
+    optimizer_key,
+    optimizer_slots,
+    rank_file,
+    shard_pieces,
+)
+
+__all__ = ["save"]
+
+OPERATION = "fs.checkpoint.save"  # the name every rank states on entering (`BaseMesh.agree`)
+
+
+def save(path: str | os.PathLike, state: StepState, *, overwrite: bool = False) -> None:
+    """Save a training state as a sharded checkpoint directory at `path`; every rank calls it.
+
+    Arguments:
+        path: the checkpoint directory to create, the same on every rank, on a file system every
+            rank sees. Its parent is created if needed.
+        state: a `StepState` (from `step.init` or a step), this rank's part of it.
+        overwrite: replace an existing checkpoint at `path` (default: raise `CheckpointError`).
+
+    Each shard rank writes only its own chunks (`rank-XXXXX.safetensors`): the pieces of each
+    parameter and parameter-like optimizer tensor its shards hold. On a hybrid mesh only the
+    replica with coordinate 0 on every replicate axis writes, so no chunk is written twice.
+    Rank 0 also writes the index, the whole tensors (module buffers: rank 0's, as a full state
+    dict holds them; replicated optimizer leaves such as the step count) and the step number.
+
+    Atomic: everything goes to `<path>.partial-<token>/`, and only once every rank has written
+    its file does rank 0 write the `COMMIT` marker and rename the directory to `path`. A save
+    that fails or is killed part-way leaves any previous checkpoint untouched, and `load` refuses
+    the partial directory, saying which files are missing. A collective: returns on every rank
+    once the checkpoint is committed, or raises on every rank.
+    """
+    if not isinstance(state, StepState):
+        raise TypeError(f"fs.checkpoint.save expects the StepState of a sharded step; got {type(state).__name__}")
+    _check_shards(state.params)
+    layout, mesh = state.params.layout, state.params.mesh
+    mesh.agree(OPERATION)
+    slots, structure = optimizer_slots(state.opt_state, layout)
+    path = Path(os.path.abspath(path))
+    mesh.check_same("the checkpoint's path and contents", f"{path}|{layout.signature()}|{structure}")
+    writers = _writers(mesh)
+
+    # Rank 0 picks the directory to write into and writes the index there first, so that an
+    # interrupted save can always say which files it lacks.
+    code, error = 0, None
+    if mesh.rank == 0:
+        try:
+            if path.exists() and not overwrite:
+                raise CheckpointError(f"{path} already exists: pass overwrite=True to replace it (or save elsewhere)")
+            code = secrets.randbits(62) + 1
+            tmp = _partial(path, code)
+            tmp.mkdir(parents=True)
+            index = _index(state, slots, str(structure), writers)
+            _files.write_bytes(tmp / INDEX, _json(index))
+        except Exception as e:  # noqa: BLE001 (every rank must learn of it)
+            if code > 0:
+                shutil.rmtree(_partial(path, code), ignore_errors=True)
+            code, error = -1, e
+    code = mesh.agree(OPERATION, code)[0]
+    if error is not None:
+        raise error
+    if code == -1:
+        raise CheckpointError(f"rank 0 could not start the checkpoint at {path} (see its error); nothing was written")
+    tmp = _partial(path, code)
+
+    size, error = 0, None
+    if mesh.rank in writers.values():
+        try:
+            tensors = _rank_tensors(state, slots, mesh.shard_index, whole=mesh.rank == 0)
+            metadata = {"format": FORMAT, "version": str(VERSION), "rank": str(mesh.rank)}
+            size = _files.write_rank_file(tmp / rank_file(mesh.rank), tensors, metadata)
+        except Exception as e:  # noqa: BLE001
+            error = e
+    sizes = mesh.agree(OPERATION, -1 if error else size)
+    failed = [r for r, size in enumerate(sizes) if size < 0]
+    committed = 0
+    if not failed and mesh.rank == 0:
+        try:
+            files = {rank_file(r): sizes[r] for r in sorted(writers.values())}
+            _files.commit(tmp, path, files, overwrite, f"{code:016x}")
+            committed = 1
+        except Exception as e:  # noqa: BLE001
+            error = e
+    if failed and mesh.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    committed = mesh.agree(OPERATION, committed)[0]
+    if error is not None:
+        raise error
+    if failed:
+        raise CheckpointError(f"ranks {failed} could not write their part of {path} (see their errors); nothing was committed")
+    if not committed:
+        raise CheckpointError(f"rank 0 could not commit {path} (see its error); the previous checkpoint, if any, is intact")
+
+
+def _partial(path: Path, code: int) -> Path:
+    return path.with_name(f"{path.name}.partial-{code:016x}")
+
+
+def _json(index: dict) -> bytes:
+    import json
+
+    return json.dumps(index, indent=1).encode()
+
+
+def _writers(mesh: BaseMesh) -> dict[int, int]:
+    """Shard index -> the rank that writes it: the one at coordinate 0 on every replicate axis."""
+    writers = {}
+    for rank in range(mesh.world_size):
+        coordinates = _coordinates(mesh, rank)
+        if all(coordinates[axis] == 0 for axis in mesh.replicate_axes):
+            writers[coordinates[mesh.shard_axis]] = rank
+    return writers
+
+
+def _pieces(layout: Layout, slots: list[OptimizerSlot], shard_index: int) -> Iterator[tuple[str, int, Piece, OptimizerSlot | None]]:
+    """(key, buffer position, piece, optimizer slot or None for parameters) for every chunk that
+    shard `shard_index` holds."""
+    for k, spec in enumerate(layout.buffers):
+        for piece in shard_pieces(spec, shard_index):
+            yield model_key(layout, piece.leaf), k, piece, None
+            if spec.trainable:
+                for slot in slots:
+                    if slot.param_like:
+                        yield optimizer_key(slot.path, layout.paths[piece.leaf]), k, piece, slot
+
+
+def _chunk_name(key: str, piece: Piece) -> str:
+    return f"{key}@{piece.leaf_offset}"
+
+
+def _whole(state: StepState, slots: list[OptimizerSlot]) -> Iterator[tuple[str, torch.Tensor]]:
+    layout = state.params.layout
+    for i, leaf in zip(layout.local, state.params.local):
+        yield model_key(layout, i), leaf
+    for slot in slots:
+        if not slot.param_like:
+            yield optimizer_key(slot.path), slot.value
+
+
+def _rank_tensors(state: StepState, slots: list[OptimizerSlot], shard_index: int, whole: bool) -> dict[str, torch.Tensor]:
+    """This rank's chunks (fresh CPU copies: safetensors refuses tensors that share memory)."""
+    sharded = state.params
+    tensors = {}
+    for key, k, piece, slot in _pieces(sharded.layout, slots, shard_index):
+        spec = sharded.layout.buffers[k]
+        shard = sharded.shards[k] if slot is None else slot.value[spec.name]
+        tensors[_chunk_name(key, piece)] = shard.detach()[piece.shard_offset : piece.shard_offset + piece.length].to("cpu", copy=True)
+    if whole:
+        for key, tensor in _whole(state, slots):
+            if tensor.numel():
+                tensors[key] = tensor.detach().to("cpu", copy=True).contiguous()
+    return tensors
+
+
+def _index(state: StepState, slots: list[OptimizerSlot], structure: str, writers: dict[int, int]) -> dict:
+    import functional_shard
+
+    layout, mesh = state.params.layout, state.params.mesh
+    entries = entries_of(layout, slots)
+    chunks: dict[str, list[list]] = {entry.key: [] for entry in entries}
+    for shard_index in range(layout.num_shards):
+        file = rank_file(writers[shard_index])
+        for key, _, piece, _ in _pieces(layout, slots, shard_index):
+            chunks[key].append([file, _chunk_name(key, piece), piece.leaf_offset, piece.length])
+    for key, tensor in _whole(state, slots):
+        if tensor.numel():
+            chunks[key].append([rank_file(0), key, 0, tensor.numel()])
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "step": int(state.step),
+        "optimizer_structure": structure,
+        "saved_by": {
+            "mesh": mesh.shape,
+            "shard_axis": mesh.shard_axis,
+            "world_size": mesh.world_size,
+            "units": list(layout.units),
+            "torch": torch.__version__,
+            "functional_shard": functional_shard.__version__,
+        },
+        "files": {rank_file(rank): rank for rank in sorted(writers.values())},
+        "entries": [entry_to_json(entry, chunks[entry.key]) for entry in entries],
+    }
