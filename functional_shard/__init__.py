@@ -23,6 +23,10 @@ from ._mesh import BaseMesh as BaseMesh
 from ._mesh import Mesh as Mesh
 from ._mesh import MeshError as MeshError
 from ._mesh import PeerError as PeerError
+from ._reference import WeightedLoss as WeightedLoss
+from .precision import LossScale as LossScale
+from .precision import LossScaleState as LossScaleState
+from .precision import Precision as Precision
 from ._mesh import SimulatedMesh as SimulatedMesh
 from ._mesh import init_mesh as init_mesh
 from ._shard import Sharded as Sharded
@@ -56,9 +60,12 @@ __all__ = [
     "BufferSpec",
     "Layout",
     "LayoutError",
+    "LossScale",
+    "LossScaleState",
     "Mesh",
     "MeshError",
     "PYTREE_NAMESPACE",
+    "Precision",
     "PeerError",
     "ModuleParams",
     "RankError",
@@ -69,6 +76,7 @@ __all__ = [
     "StepError",
     "StepState",
     "TraceError",
+    "WeightedLoss",
     "all_reduce",
     "checkpoint",
     "export",

@@ -35,12 +35,18 @@ class GatherFlat(torch.autograd.Function):
         shard: this rank's slice, `[shard_numel]`, contiguous.
         mesh: the mesh; gathers over its shard axis.
         buffer: the `BufferSpec` it moves (a label for the jit's schedule), or None.
+        gather_dtype: cast the shard to this dtype before gathering it (mixed precision: the
+            all-gather moves the cast bytes); None: no cast.
+        reduce_dtype: cast the incoming gradient to this dtype before reduce-scattering it;
+            the reduced shard is cast back to `shard`'s dtype. None: the gradient's dtype.
 
     Returns `[num_shards * shard_numel]`: every rank's slice, in shard order, on every rank.
     """
 
     @staticmethod
-    def forward(shard: torch.Tensor, mesh: BaseMesh, buffer=None) -> torch.Tensor:
+    def forward(shard: torch.Tensor, mesh: BaseMesh, buffer=None, gather_dtype=None, reduce_dtype=None) -> torch.Tensor:
+        if gather_dtype is not None and gather_dtype != shard.dtype:
+            shard = shard.to(gather_dtype)
         with moving(buffer):
             return mesh.all_gather_flat(shard)
 
@@ -48,10 +54,17 @@ class GatherFlat(torch.autograd.Function):
     def setup_context(ctx, inputs, output) -> None:
         ctx.mesh = inputs[1]
         ctx.buffer = inputs[2] if len(inputs) > 2 else None
+        ctx.reduce_dtype = inputs[4] if len(inputs) > 4 else None
+        ctx.shard_dtype = inputs[0].dtype
 
     @staticmethod
     def backward(ctx, grad_full: torch.Tensor):
-        return ReduceScatterFlat.apply(grad_full.contiguous(), ctx.mesh, ctx.buffer), None, None
+        if ctx.reduce_dtype is not None and ctx.reduce_dtype != grad_full.dtype:
+            grad_full = grad_full.to(ctx.reduce_dtype)
+        grad = ReduceScatterFlat.apply(grad_full.contiguous(), ctx.mesh, ctx.buffer)
+        if grad.dtype != ctx.shard_dtype:
+            grad = grad.to(ctx.shard_dtype)
+        return grad, None, None, None, None
 
 
 class ReduceScatterFlat(torch.autograd.Function):

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from . import _tracing
 from ._tree import ModuleParams
 
 __all__ = ["functionalize"]
@@ -58,7 +59,12 @@ def functionalize(module: nn.Module) -> tuple[Callable[..., Any], ModuleParams]:
         trainable, frozen, buffers, aliases=tuple(dict.fromkeys(aliases)), non_persistent=tuple(dict.fromkeys(non_persistent))
     )
 
+    def modes() -> tuple[bool, ...]:
+        return tuple(m.training for m in module.modules())
+
     def apply_fn(params: ModuleParams, *args, **kwargs):
+        # A traced step is specialised on the module's train/eval modes: model.eval() retraces.
+        _tracing.guard(f"the train/eval mode of {type(module).__name__} (model.train() / model.eval())", modes)
         # tie_weights=True: a tensor given under one of several tied names is used for all.
         return functional_call(module, dict(params.items()), args, kwargs, tie_weights=True, strict=False)
 

@@ -21,7 +21,7 @@ import dataclasses
 import os
 import traceback
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import optree
 import torch
@@ -30,7 +30,7 @@ import torch.fx.experimental.symbolic_shapes
 from torch import fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from . import _mesh, _reference, _tracing
+from . import _mesh, _tracing
 from . import schedule as schedule_lib
 from ._layout import Layout
 from ._pytree import tree_flatten, tree_paths
@@ -47,23 +47,24 @@ class CacheKey:
     """What a traced graph is specialised on: compared by value, hashable.
 
     Attributes:
-        layout: the parameters' layout (paths, shapes, dtypes, units, padding).
-        opt_structure / opt_leaves: the optimizer state's structure, and its leaves' shapes and dtypes.
-        scalar_structure: the structure of the optimizer's per-step scalars.
+        program: which computation ("a training step", "step.evaluate").
+        layout: the parameters' layout (paths, shapes, dtypes, units, padding, precision).
+        state_structure / state: the structure of the rest of the state (local leaves,
+            optimizer state, loss scale, optimizer scalars), and its leaves' shapes and dtypes.
         batch_structure / batch: the batch's structure, and per leaf `("tensor", shape, dtype,
             device type)` or `("static", type name, value)` for values baked into the graph.
     """
 
+    program: str
     layout: Layout
-    opt_structure: optree.PyTreeSpec
-    opt_leaves: tuple
-    scalar_structure: optree.PyTreeSpec
+    state_structure: optree.PyTreeSpec
+    state: tuple
     batch_structure: optree.PyTreeSpec
     batch: tuple
 
     def describe(self) -> str:
         parts = [f"{str(d[2]).removeprefix('torch.')}{list(d[1])}" if d[0] == "tensor" else repr(d[2]) for d in self.batch]
-        return "batch (" + ", ".join(parts) + ")"
+        return f"{self.program}, batch (" + ", ".join(parts) + ")"
 
 
 def _describe_batch(leaves: list) -> tuple:
@@ -84,94 +85,67 @@ def _describe_batch(leaves: list) -> tuple:
 
 
 class FlatIO:
-    """Packs a step's inputs into the flat tensor list a traced graph takes, and its outputs back.
+    """Packs a program's inputs into the flat tensor list a traced graph takes, and its outputs back.
 
-    Inputs: `[*shards, *local, *optimizer state leaves, *scalar leaves, *batch tensors]`.
-    Outputs: `[*new trainable shards, *local, *optimizer state leaves, mean loss, loss, *aux leaves]`.
+    Inputs: `[*shards, *leaves of the rest of the state, *batch tensors]` (the batch's other
+    leaves are static: part of the cache key, baked into the graph). Outputs: the leaves of the
+    NamedTuple the program returns; which leaf is the local loss marks the end of the forward.
     """
 
-    def __init__(self, layout: Layout, opt_structure, scalar_structure, batch_structure, batch_leaves: list):
+    def __init__(self, layout: Layout, state_structure, batch_structure, batch_leaves: list):
         self.layout = layout
-        self.trainable = tuple(k for k, spec in enumerate(layout.buffers) if spec.trainable)
-        self.opt_structure = opt_structure
-        self.scalar_structure = scalar_structure
+        self.state_structure = state_structure
         self.batch_structure = batch_structure
         self.batch_tensors = tuple(i for i, leaf in enumerate(batch_leaves) if isinstance(leaf, torch.Tensor))
-        # Static batch values are part of the cache key, hence the same for every call.
         self.batch_static = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in batch_leaves]
-        self.counts = (
-            len(layout.buffers),
-            len(layout.local),
-            opt_structure.num_leaves,
-            scalar_structure.num_leaves,
-            len(self.batch_tensors),
-        )
-        self.aux_structure: optree.PyTreeSpec | None = None
-        # Index of the local loss among the outputs: the end of the forward pass.
-        self.loss_output = len(self.trainable) + len(layout.local) + opt_structure.num_leaves + 1
+        self.counts = (len(layout.buffers), state_structure.num_leaves, len(self.batch_tensors))
+        self.output_structure: optree.PyTreeSpec | None = None
+        self.loss_output = -1  # index of the local loss among the outputs, known once traced
 
-    def inputs(self, shards, local, opt_leaves, scalar_leaves, batch_leaves) -> list[torch.Tensor]:
-        return [*shards, *local, *opt_leaves, *scalar_leaves, *(batch_leaves[i] for i in self.batch_tensors)]
+    def inputs(self, shards, state_leaves, batch_leaves) -> list[torch.Tensor]:
+        return [*shards, *state_leaves, *(batch_leaves[i] for i in self.batch_tensors)]
 
-    def split_inputs(self, flat) -> tuple[list, list, Any, Any, Any]:
-        pieces, start = [], 0
-        for count in self.counts:
-            pieces.append(list(flat[start : start + count]))
-            start += count
-        shards, local, opt_leaves, scalar_leaves, batch_tensors = pieces
+    def split_inputs(self, flat) -> tuple[list, Any, Any]:
+        n_shards, n_state, _ = self.counts
+        shards, state_leaves, batch_tensors = flat[:n_shards], flat[n_shards : n_shards + n_state], flat[n_shards + n_state :]
         batch_leaves = list(self.batch_static)
         for i, t in zip(self.batch_tensors, batch_tensors):
             batch_leaves[i] = t
         return (
-            shards,
-            local,
-            optree.tree_unflatten(self.opt_structure, opt_leaves),
-            optree.tree_unflatten(self.scalar_structure, scalar_leaves),
+            list(shards),
+            optree.tree_unflatten(self.state_structure, list(state_leaves)),
             optree.tree_unflatten(self.batch_structure, batch_leaves),
         )
 
-    def outputs(self, out: _reference.StepOutput) -> list[torch.Tensor]:
-        aux_leaves, self.aux_structure = tree_flatten(out.aux)
-        return [
-            *(out.shards[k] for k in self.trainable),
-            *out.local,
-            *tree_flatten(out.opt_state)[0],
-            out.mean_loss,
-            out.loss,
-            *aux_leaves,
-        ]
+    def outputs(self, out: NamedTuple) -> list[torch.Tensor]:
+        leaves, self.output_structure = tree_flatten(out)
+        self.loss_output = next(i for i, leaf in enumerate(leaves) if leaf is out.loss)
+        return leaves
 
-    def split_outputs(self, flat: list, shards_before) -> _reference.StepOutput:
-        n_trainable, n_local, n_opt = len(self.trainable), len(self.layout.local), self.opt_structure.num_leaves
-        shards = list(shards_before)
-        for k, t in zip(self.trainable, flat[:n_trainable]):
-            shards[k] = t
-        rest = flat[n_trainable:]
-        local, rest = tuple(rest[:n_local]), rest[n_local:]
-        opt_state = optree.tree_unflatten(self.opt_structure, rest[:n_opt])
-        mean_loss, loss = rest[n_opt], rest[n_opt + 1]
-        aux = optree.tree_unflatten(self.aux_structure, rest[n_opt + 2 :]) if self.aux_structure is not None else None
-        return _reference.StepOutput(shards, local, opt_state, mean_loss, loss, aux)
+    def split_outputs(self, flat: list) -> Any:
+        return optree.tree_unflatten(self.output_structure, list(flat))
 
 
 @dataclasses.dataclass
 class CompiledStep:
-    """One traced, scheduled step, cached per `CacheKey`.
+    """One traced, scheduled program, cached per `CacheKey` (and its guards).
 
     Attributes:
         key: what it was traced for.
         graph_module: the scheduled `torch.fx.GraphModule` (flat inputs and outputs, see `FlatIO`).
         io: packs its inputs and unpacks its outputs.
+        guards: Python values it was specialised on (e.g. train/eval mode), re-read each call.
         events: the applied schedule, read back from the graph (`fs.schedule.ScheduleEvent`s).
         sequence: its collectives in issue order, as text (what ranks compare).
         digest: a 63-bit hash of `sequence`, never 0.
-        all_gather_bytes / reduce_scatter_bytes: bytes of the full buffers moved per step.
+        all_gather_bytes / reduce_scatter_bytes: bytes of the full buffers moved per call.
         run: what is called each step (`graph_module`, or its `torch.compile`d form).
     """
 
     key: CacheKey
     graph_module: fx.GraphModule
     io: FlatIO
+    guards: list
     events: list
     sequence: list[str]
     digest: int
@@ -181,6 +155,9 @@ class CompiledStep:
 
     def explain(self) -> str:
         return schedule_lib.explain(self.events, title=f"schedule of {self.key.describe()}")
+
+    def guards_hold(self) -> bool:
+        return all(g.read() == g.value for g in self.guards)
 
 
 _DATA_DEPENDENT = tuple(
@@ -206,17 +183,16 @@ def _culprit_frame(error: BaseException) -> str:
     return "(no frame outside torch found)"
 
 
-def trace(fn: _reference.StepFunction, key: CacheKey, io: FlatIO, inputs: list, schedule) -> CompiledStep:
-    """Trace the reference step for `key` with fake tensors, label its collectives, apply `schedule`."""
-    layout = key.layout
+def trace(program: Callable[..., NamedTuple], mesh, key: CacheKey, io: FlatIO, inputs: list, schedule) -> CompiledStep:
+    """Trace `program(shards, state, batch)` for `key` with fake tensors, label its
+    collectives, apply `schedule`."""
 
-    def flat_step(*flat):
-        shards, local, opt_state, scalars, batch = io.split_inputs(flat)
-        return io.outputs(_reference.update(fn, layout, shards, local, opt_state, scalars, batch))
+    def flat_program(*flat):
+        return io.outputs(program(*io.split_inputs(flat)))
 
-    with _tracing.recording() as log:
+    with _tracing.recording() as (log, guards):
         try:
-            gm = make_fx(flat_step, tracing_mode="fake", _allow_non_fake_inputs=True)(*inputs)
+            gm = make_fx(flat_program, tracing_mode="fake", _allow_non_fake_inputs=True)(*inputs)
         except _DATA_DEPENDENT as error:
             op = getattr(error, "func", None)
             if op is None:  # a guard on an unbacked value: bool()/int()/float()/.item() of a tensor
@@ -231,15 +207,16 @@ def trace(fn: _reference.StepFunction, key: CacheKey, io: FlatIO, inputs: list, 
             ) from error
     _label_collectives(gm, log)
     _mark_forward_end(gm, io.loss_output)
-    gm = schedule_lib.apply_schedule(gm, schedule, schedule_lib.PassContext.for_mesh(fn.mesh))
+    gm = schedule_lib.apply_schedule(gm, schedule, schedule_lib.PassContext.for_mesh(mesh))
     events = schedule_lib.analyze(gm)
     kinds = {"gather_issued": "all_gather", "reduce_scatter_issued": "reduce_scatter", "all_reduce_issued": "all_reduce"}
-    sequence = [f"{kinds[e.event]} of {e.buffer or 'the loss'} ({e.nbytes} bytes)" for e in events if e.event in kinds]
+    sequence = [f"{kinds[e.event]} of {e.buffer or 'a value'} ({e.nbytes} bytes)" for e in events if e.event in kinds]
     run = torch.compile(gm, backend="inductor", fullgraph=True, dynamic=False) if schedule.compile else gm
     return CompiledStep(
         key=key,
         graph_module=gm,
         io=io,
+        guards=list(guards),
         events=events,
         sequence=sequence,
         digest=_mesh._digest("\n".join(sequence)) or 1,
@@ -284,108 +261,117 @@ _FAILED = "<could not trace the step>"
 
 
 class Jit:
-    """The traced steps of one `ShardedStep`: a bounded cache, the ranks' agreement, the replay.
+    """The traced programs of one `ShardedStep`: a bounded cache, the ranks' agreement, the replay.
 
     Arguments:
-        fn: the step's function.
+        program: `program(shards, state, batch) -> NamedTuple with a .loss`; `state` is the
+            tuple of the other inputs (local leaves, optimizer state, ...).
+        name: what ranks call it when they agree (`BaseMesh.agree`), e.g. "a training step".
+        mesh: the mesh.
         schedule: the `fs.Schedule` applied to every trace.
         max_traces: how many traced graphs to keep; past it the least recently used is
             dropped, and a warning names what keeps changing in the batch.
     """
 
-    def __init__(self, fn: _reference.StepFunction, schedule, *, max_traces: int):
-        self.fn = fn
+    def __init__(self, program: Callable[..., NamedTuple], name: str, mesh, schedule, *, max_traces: int):
+        self.program = program
+        self.name = name
+        self.mesh = mesh
         self.schedule = schedule
         self.max_traces = max_traces
-        self.cache: collections.OrderedDict[CacheKey, CompiledStep] = collections.OrderedDict()
+        self.cache: collections.OrderedDict[CacheKey, list[CompiledStep]] = collections.OrderedDict()
         self.last: CompiledStep | None = None
         self.traces = 0  # graphs traced so far (a retrace after eviction counts again)
         self._warned = False
 
-    def lower(self, layout: Layout, shards, local, opt_state, scalars, batch) -> CompiledStep:
-        """The traced, scheduled step for these inputs, without running it and without any
+    def lower(self, layout: Layout, shards, state, batch) -> CompiledStep:
+        """The traced, scheduled program for these inputs, without running it and without any
         collective (tensors may be fake or on the meta device; the cache is not touched)."""
-        key, io, inputs = self._key_and_inputs(layout, shards, local, opt_state, scalars, batch)
-        return trace(self.fn, key, io, inputs, self.schedule)
+        key, io, inputs, _ = self._key_and_inputs(layout, shards, state, batch)
+        return trace(self._bound(layout), self.mesh, key, io, inputs, self.schedule)
 
-    def _key_and_inputs(self, layout: Layout, shards, local, opt_state, scalars, batch) -> tuple[CacheKey, FlatIO, list]:
-        opt_leaves, opt_structure = tree_flatten(opt_state)
-        scalar_leaves, scalar_structure = tree_flatten(scalars)
+    def _bound(self, layout: Layout):
+        return lambda shards, state, batch: self.program(layout, shards, state, batch)
+
+    def _key_and_inputs(self, layout: Layout, shards, state, batch):
+        state_leaves, state_structure = tree_flatten(state)
         batch_leaves, batch_structure = tree_flatten(batch)
         key = CacheKey(
+            program=self.name,
             layout=layout,
-            opt_structure=opt_structure,
-            opt_leaves=tuple((tuple(t.shape), t.dtype) for t in opt_leaves),
-            scalar_structure=scalar_structure,
+            state_structure=state_structure,
+            state=tuple((tuple(t.shape), t.dtype) for t in state_leaves),
             batch_structure=batch_structure,
             batch=_describe_batch(batch_leaves),
         )
-        compiled = self.cache.get(key)
-        io = compiled.io if compiled is not None else FlatIO(layout, opt_structure, scalar_structure, batch_structure, batch_leaves)
-        return key, io, io.inputs(shards, local, opt_leaves, scalar_leaves, batch_leaves)
+        compiled = next((c for c in self.cache.get(key, ()) if c.guards_hold()), None)
+        io = compiled.io if compiled is not None else FlatIO(layout, state_structure, batch_structure, batch_leaves)
+        return key, io, io.inputs(shards, state_leaves, batch_leaves), compiled
 
-    def run(self, layout: Layout, shards, local, opt_state, scalars, batch) -> tuple[_reference.StepOutput, CompiledStep]:
-        """Run the step traced: look it up, agree with the other ranks (tracing where needed), replay."""
-        mesh = self.fn.mesh
-        key, io, inputs = self._key_and_inputs(layout, shards, local, opt_state, scalars, batch)
-        compiled = self.cache.get(key)
-        digests = mesh.agree("a training step", compiled.digest if compiled is not None else 0)
+    def run(self, layout: Layout, shards, state, batch) -> tuple[Any, CompiledStep]:
+        """Run the program traced: look it up, agree with the other ranks (tracing where needed), replay."""
+        key, io, inputs, compiled = self._key_and_inputs(layout, shards, state, batch)
+        digests = self.mesh.agree(self.name, compiled.digest if compiled is not None else 0)
         if compiled is None or len(set(digests)) > 1:
-            compiled = self._agree_on_trace(key, io, inputs, compiled, batch)
+            compiled = self._agree_on_trace(key, io, inputs, compiled, layout, batch)
         self.cache.move_to_end(key)
         self.last = compiled
         with torch.no_grad():
             outputs = compiled.run(*inputs)
-        return compiled.io.split_outputs(outputs, shards), compiled
+        return compiled.io.split_outputs(outputs), compiled
 
-    def _agree_on_trace(self, key: CacheKey, io: FlatIO, inputs: list, compiled: CompiledStep | None, batch) -> CompiledStep:
+    def _agree_on_trace(self, key: CacheKey, io: FlatIO, inputs: list, compiled, layout: Layout, batch) -> CompiledStep:
         """Trace where this rank must (no collective runs while tracing), then compare every
         rank's sequence of collectives; a rank that failed to trace says so in the comparison,
         so that the others raise with it instead of waiting for its collectives."""
-        mesh = self.fn.mesh
+        mesh = self.mesh
         failure: BaseException | None = None
         if compiled is None:
             try:
-                compiled = trace(self.fn, key, io, inputs, self.schedule)
+                compiled = trace(self._bound(layout), mesh, key, io, inputs, self.schedule)
             except Exception as error:  # noqa: BLE001 - reported to every rank, then re-raised here
                 failure = error
+            else:
+                self._insert(key, compiled, batch)
         sequence = compiled.sequence if compiled is not None else [
             f"{_FAILED} {type(failure).__name__}: {str(failure)[:300]}"
         ]
         try:
-            mesh.check_same_sequence("the traced step's collectives", sequence)
+            mesh.check_same_sequence(f"the traced collectives of {self.name}", sequence)
         except _mesh.MeshError as error:
             if failure is not None:
                 raise failure from None
             failed = [r for r, item in error.differences.items() if item.startswith(_FAILED)]
             if failed:
                 raise _mesh.PeerError(
-                    f"rank {failed[0]} could not trace the step, so rank {mesh.rank} stops with it (no collective "
-                    f"of the step ran): {error.differences[failed[0]].removeprefix(_FAILED).strip()}",
+                    f"rank {failed[0]} could not trace {self.name}, so rank {mesh.rank} stops with it (no collective "
+                    f"of it ran): {error.differences[failed[0]].removeprefix(_FAILED).strip()}",
                     failed[0],
                 ) from None
             raise
         if failure is not None:
             raise failure
         assert compiled is not None
-        if key not in self.cache:
-            self._insert(key, compiled, batch)
         return compiled
 
     def _insert(self, key: CacheKey, compiled: CompiledStep, batch) -> None:
         self.traces += 1
-        self.cache[key] = compiled
-        if len(self.cache) > self.max_traces:
-            self.cache.popitem(last=False)
+        self.cache.setdefault(key, []).append(compiled)
+        self.cache.move_to_end(key)
+        if sum(len(v) for v in self.cache.values()) > self.max_traces:
+            oldest = next(iter(self.cache))
+            self.cache[oldest].pop(0)
+            if not self.cache[oldest]:
+                del self.cache[oldest]
             if not self._warned:
                 self._warned = True
                 warnings.warn(
-                    f"sharded_step traced {self.traces} graphs and keeps at most max_traces={self.max_traces}: "
-                    f"{_what_changes(list(self.cache), batch)}. Each new shape or static value costs a trace "
-                    f"(seconds, and memory for its graph): pad or bucket it to a few sizes, pass changing numbers "
-                    f"as tensors, or raise max_traces",
+                    f"sharded_step traced {self.traces} graphs of {self.name} and keeps at most "
+                    f"max_traces={self.max_traces}: {_what_changes(list(self.cache), batch)}. Each new shape or "
+                    f"static value costs a trace (seconds, and memory for its graph): pad or bucket it to a few "
+                    f"sizes, pass changing numbers as tensors, or raise max_traces",
                     RuntimeWarning,
-                    stacklevel=4,
+                    stacklevel=5,
                 )
 
 
@@ -406,6 +392,6 @@ def _what_changes(keys: list[CacheKey], batch) -> str:
                     changes.append(f"batch leaf {path!r} dim {dim} took {len(values)} values {values[:8]}")
         elif len({d[2] for d in described}) > 1:
             changes.append(f"batch value {path!r} took {len({d[2] for d in described})} values")
-    if len({(k.layout, k.opt_structure, k.opt_leaves, k.scalar_structure) for k in keys}) > 1:
+    if len({(k.layout, k.state_structure, k.state) for k in keys}) > 1:
         changes.append("the state's structure or the optimizer's scalars changed")
     return "; ".join(changes) or "the batch's shapes or static values keep changing"

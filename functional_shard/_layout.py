@@ -44,6 +44,9 @@ class BufferSpec:
         leaves: indices of its leaves in the tree's flatten order.
         numel: elements before padding (sum of the leaves' numels).
         shard_numel: elements each rank keeps (`ceil(numel / num_shards)`, at least 1).
+        gather_dtype: the dtype it is all-gathered and computed in (`dtype` unless mixed
+            precision says otherwise).
+        reduce_dtype: the dtype its gradient is reduce-scattered in.
     """
 
     name: str
@@ -55,6 +58,14 @@ class BufferSpec:
     numel: int
     shard_numel: int
     num_shards: int
+    gather_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+
+    def __post_init__(self) -> None:
+        if self.gather_dtype is None:
+            object.__setattr__(self, "gather_dtype", self.dtype)
+        if self.reduce_dtype is None:
+            object.__setattr__(self, "reduce_dtype", self.gather_dtype)
 
     @property
     def padded_numel(self) -> int:
@@ -62,8 +73,13 @@ class BufferSpec:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the full (unsharded, padded) buffer: what one all-gather of it moves."""
-        return self.padded_numel * self.dtype.itemsize
+        """Bytes of the full (unsharded, padded) buffer as gathered: what one all-gather of it moves."""
+        return self.padded_numel * self.gather_dtype.itemsize
+
+    @property
+    def reduce_nbytes(self) -> int:
+        """Bytes of its full gradient as reduce-scattered."""
+        return self.padded_numel * self.reduce_dtype.itemsize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +113,7 @@ class Layout:
             f"{p}:{tuple(s)}:{str(d).removeprefix('torch.')}:{r}"
             for p, s, d, r in zip(self.paths, self.shapes, self.dtypes, self.roles)
         )
-        units = ";".join(f"{b.name}={b.leaves}" for b in self.buffers)
+        units = ";".join(f"{b.name}={b.leaves}:{b.gather_dtype}:{b.reduce_dtype}" for b in self.buffers)
         return f"{self.treedef}|{leaves}|{units}|{self.num_shards}"
 
     def describe_leaf(self, index: int) -> str:
@@ -138,13 +154,17 @@ def _device_of(parts: list[torch.Tensor]) -> torch.device:
     return parts[0].device if parts else torch.device("cpu")
 
 
-def make_layout(tree: Any, num_shards: int, *, units: UnitPolicy | None = None) -> tuple[Layout, list[torch.Tensor]]:
+def make_layout(
+    tree: Any, num_shards: int, *, units: UnitPolicy | None = None, precision: Any = None
+) -> tuple[Layout, list[torch.Tensor]]:
     """The layout of `tree` over `num_shards` shards, and its leaves (flatten order).
 
     Arguments:
         tree: a pytree whose leaves are all tensors (a `ModuleParams` may sit anywhere in it).
         num_shards: size of the shard axis.
         units: `path -> unit name`; default `units_by_block` (one unit per repeated block).
+        precision: an `fs.Precision` giving each leaf its gather and reduce dtypes (leaves of a
+            unit that differ in them get buffers of their own); None: their own dtype.
 
     Raises `LayoutError` naming the path of a leaf that is not a tensor.
     """
@@ -168,7 +188,7 @@ def make_layout(tree: Any, num_shards: int, *, units: UnitPolicy | None = None) 
                 f"leaf {path!r} (shape {list(leaf.shape)}) is a quantized tensor ({leaf.dtype}): shard its "
                 f"dequantized values (.dequantize()) or keep it out of the parameter tree"
             )
-    groups: dict[tuple[str, bool, torch.dtype], list[int]] = {}
+    groups: dict[tuple[str, bool, torch.dtype, torch.dtype, torch.dtype], list[int]] = {}
     local = []
     for i, (path, leaf, role) in enumerate(zip(paths, leaves, roles)):
         if role == BUFFER:
@@ -179,15 +199,19 @@ def make_layout(tree: Any, num_shards: int, *, units: UnitPolicy | None = None) 
             raise LayoutError(f"the unit policy returned {unit!r} for leaf {path!r}; it must return a str")
         # Only floating leaves can be differentiated; others are carried like frozen ones.
         trainable = role == TRAINABLE and leaf.dtype.is_floating_point
-        groups.setdefault((unit, trainable, leaf.dtype), []).append(i)
-    dtypes_per_unit_role: dict[tuple[str, bool], int] = {}
-    for unit, trainable, _ in groups:
-        dtypes_per_unit_role[unit, trainable] = dtypes_per_unit_role.get((unit, trainable), 0) + 1
+        gather, reduce = precision.dtypes(path, unit, leaf.dtype) if precision is not None else (leaf.dtype, leaf.dtype)
+        groups.setdefault((unit, trainable, leaf.dtype, gather, reduce), []).append(i)
+    per_unit_role: dict[tuple[str, bool], list[tuple]] = {}
+    for unit, trainable, *dtypes in groups:
+        per_unit_role.setdefault((unit, trainable), []).append(tuple(dtypes))
     specs = []
-    for (unit, trainable, dtype), members in groups.items():
+    for (unit, trainable, dtype, gather, reduce), members in groups.items():
         name = unit + ("" if trainable else "/frozen")
-        if dtypes_per_unit_role[unit, trainable] > 1:
+        siblings = per_unit_role[unit, trainable]
+        if len({d[0] for d in siblings}) > 1:
             name += "/" + str(dtype).removeprefix("torch.")
+        if len({d[1:] for d in siblings if d[0] == dtype}) > 1:
+            name += "@" + str(gather).removeprefix("torch.")
         sizes = tuple(leaves[i].numel() for i in members)
         numel = sum(sizes)
         specs.append(
@@ -201,6 +225,8 @@ def make_layout(tree: Any, num_shards: int, *, units: UnitPolicy | None = None) 
                 numel=numel,
                 shard_numel=max(1, math.ceil(numel / num_shards)),
                 num_shards=num_shards,
+                gather_dtype=gather,
+                reduce_dtype=reduce,
             )
         )
     layout = Layout(

@@ -19,25 +19,58 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 from . import _tracing
+from ._collectives import ReduceScatterFlat, gather_bytes
 from ._layout import Layout
 from ._mesh import BaseMesh
+from ._pytree import tree_flatten, tree_map, tree_unflatten
 from ._shard import gather_buffer
+from .optim import global_norm, global_sum
 
-__all__ = ["StepFunction", "Gradients", "StepOutput", "gradients", "update", "mean_loss", "split_loss", "StepError"]
+__all__ = [
+    "StepError",
+    "WeightedLoss",
+    "StepFunction",
+    "Gradients",
+    "StepOutput",
+    "EvalOutput",
+    "split_microbatches",
+    "gradients",
+    "update",
+    "evaluate",
+    "split_loss",
+    "check_loss",
+]
 
 
 class StepError(ValueError):
     """A step was given a state, a batch or a loss it cannot use."""
 
 
+class WeightedLoss(NamedTuple):
+    """What `loss_fn` returns when ranks' losses weigh differently (e.g. by token count).
+
+    The step then trains on `sum_r weight_r * loss_r / sum_r weight_r` over ranks (and
+    micro-batches) — single-process training on the concatenated batch when `loss` is the
+    mean over `weight` items (non-ignored tokens, say) — instead of the plain mean of the
+    ranks' losses.
+    """
+
+    loss: torch.Tensor  # 0-d floating: this rank's loss, a mean over `weight` items
+    weight: torch.Tensor | float  # 0-d (or a number): how much it weighs; not differentiated
+
+
 class StepFunction(NamedTuple):
     """What a step computes, besides its inputs."""
 
-    loss_fn: Callable[..., Any]  # loss_fn(params, batch) -> loss | (loss, aux)
+    loss_fn: Callable[..., Any]  # loss_fn(params, batch) -> loss | WeightedLoss | (either, aux)
     mesh: BaseMesh  # the mesh the parameters are sharded over
     optimizer: Any  # an fs.optim.Optimizer
     has_aux: bool  # loss_fn returns (loss, aux)
     donate: bool  # the optimizer may update the shards and its state in place
+    microbatches: int = 1  # the batch is split along its leading dimension into this many
+    accumulate: str = "sharded"  # "sharded": reduce-scatter per micro-batch; "full": once per step
+    loss_scale: Any = None  # an fs.LossScale (fp16), or None
+    input_dtype: torch.dtype | None = None  # floating batch tensors are cast to it (mixed precision)
 
 
 class Gradients(NamedTuple):
@@ -45,8 +78,10 @@ class Gradients(NamedTuple):
 
     grads: dict[str, torch.Tensor]  # trainable buffer name -> this rank's shard of the mean gradient
     local: tuple[torch.Tensor, ...]  # the local leaves (module buffers) after the forward pass
-    loss: torch.Tensor  # this rank's loss, 0-d, detached
-    aux: Any  # what loss_fn returned besides the loss (None without has_aux)
+    loss: torch.Tensor  # this rank's loss (weighted mean over its micro-batches), 0-d, detached
+    mean_loss: torch.Tensor  # the loss over every rank (weighted mean), 0-d float32
+    aux: Any  # what loss_fn returned besides the loss (None without has_aux; per micro-batch: a list)
+    finite: torch.Tensor | None  # with loss scaling: whether the whole gradient is finite (0-d bool)
 
 
 class StepOutput(NamedTuple):
@@ -55,74 +90,242 @@ class StepOutput(NamedTuple):
     shards: list[torch.Tensor]  # new shards, one per buffer of the layout (frozen ones unchanged)
     local: tuple[torch.Tensor, ...]  # new local leaves
     opt_state: Any  # new optimizer state
+    loss_scale: Any  # new LossScaleState, or None
     mean_loss: torch.Tensor  # mean over ranks of the local losses, 0-d float32
+    loss: torch.Tensor  # this rank's loss
+    grad_norm: torch.Tensor  # 2-norm of the whole mean gradient (before any clipping)
+    skipped: torch.Tensor  # 0-d bool: the update was skipped (a gradient not finite under loss scaling)
+    aux: Any  # loss_fn's aux, or None
+
+
+class EvalOutput(NamedTuple):
+    """What a forward-only evaluation produces, on this rank."""
+
+    local: tuple[torch.Tensor, ...]  # local leaves after the forward pass (discarded by evaluate)
+    mean_loss: torch.Tensor  # the loss over every rank (weighted mean), 0-d float32
     loss: torch.Tensor  # this rank's loss
     aux: Any  # loss_fn's aux, or None
 
 
-def gradients(fn: StepFunction, layout: Layout, shards, local, batch) -> Gradients:
-    """This rank's shard of the mean gradient over ranks, and the forward pass's other results."""
+def _cast_inputs(batch: Any, dtype: torch.dtype | None) -> Any:
+    if dtype is None:
+        return batch
+    return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, batch)
+
+
+def split_microbatches(batch: Any, k: int, dtype: torch.dtype | None = None) -> list[Any]:
+    """`batch` cut along the leading dimension of every tensor leaf into `k` equal parts (its
+    floating tensors cast to `dtype` when given)."""
+    batch = _cast_inputs(batch, dtype)
+    if k == 1:
+        return [batch]
+    leaves, structure = tree_flatten(batch)
+    parts = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            if leaf.ndim == 0 or leaf.shape[0] % k:
+                raise StepError(
+                    f"microbatches={k} must divide the leading dimension of every tensor of the batch; a leaf has "
+                    f"shape {list(leaf.shape)}"
+                )
+            parts.append(leaf.chunk(k))
+        else:
+            parts.append([leaf] * k)
+    return [tree_unflatten(structure, [p[i] for p in parts]) for i in range(k)]
+
+
+def _gather_frozen(layout: Layout, shards, mesh) -> dict[int, torch.Tensor]:
+    leaves: dict[int, torch.Tensor] = {}
+    for spec, s in zip(layout.buffers, shards):
+        if not spec.trainable:
+            leaves.update(zip(spec.leaves, gather_buffer(layout, spec, s, mesh, differentiable=False)))
+    return leaves
+
+
+def _objective(fn: StepFunction, out: Any, scale) -> tuple[torch.Tensor, tuple]:
+    """(what is differentiated, (loss, weight or None, [aux]) detached) from one call of loss_fn."""
+    loss, aux = split_loss(out, fn.has_aux, fn.mesh)
+    weight = None
+    if isinstance(loss, WeightedLoss):
+        loss, weight = loss
+        weight = torch.as_tensor(weight, dtype=torch.float32).detach()
+    check_loss(loss, fn.has_aux, fn.mesh, out)
+    objective = loss if weight is None else loss * weight.to(loss.dtype)
+    if scale is not None:
+        objective = objective * scale.to(objective.dtype)
+    # torch.func.grad's aux must hold tensors only: a weightless loss carries an empty tuple.
+    extras = (loss.detach(), () if weight is None else weight)
+    return objective, ((*extras, aux) if fn.has_aux else extras)
+
+
+def gradients(fn: StepFunction, layout: Layout, shards, local, batch, loss_scale=None) -> Gradients:
+    """This rank's shard of the mean gradient over ranks (and micro-batches), and the forward's results."""
     mesh = fn.mesh
-    trainable_positions = [k for k, spec in enumerate(layout.buffers) if spec.trainable]
-    frozen_leaves: dict[int, torch.Tensor] = {}
+    trainable = [k for k, spec in enumerate(layout.buffers) if spec.trainable]
+    names = [layout.buffers[k].name for k in trainable]
+    scale = loss_scale.scale if loss_scale is not None else None
     with _tracing.phase("forward"):
-        for spec, s in zip(layout.buffers, shards):
-            if not spec.trainable:
-                frozen_leaves.update(zip(spec.leaves, gather_buffer(layout, spec, s, mesh, differentiable=False)))
+        frozen_leaves = _gather_frozen(layout, shards, mesh)
     # Fresh copies: the forward pass updates module buffers (BatchNorm statistics) in place.
     local = tuple(t.clone() for t in local)
+    total: list[torch.Tensor] | None = None
+    losses, weights, auxes = [], [], []
+    for micro in split_microbatches(batch, fn.microbatches, fn.input_dtype):
+        if fn.accumulate == "full":
+            grads, local, extras = _full_gradients(fn, layout, shards, trainable, frozen_leaves, local, micro, scale)
+        else:
 
-    def local_loss(trainable_shards: tuple[torch.Tensor, ...], local: tuple[torch.Tensor, ...]):
+            def local_loss(trainable_shards, local, micro=micro):
+                leaves = dict(frozen_leaves)
+                with _tracing.phase("forward"):
+                    for k, s in zip(trainable, trainable_shards):
+                        spec = layout.buffers[k]
+                        leaves.update(zip(spec.leaves, gather_buffer(layout, spec, s, mesh, differentiable=True)))
+                    with _tracing.graph_semantics():
+                        out = fn.loss_fn(layout.assemble(leaves, local), micro)
+                return _objective(fn, out, scale)
+
+            grads, extras = torch.func.grad(local_loss, has_aux=True)(tuple(shards[k] for k in trainable), local)
+        total = list(grads) if total is None else [t + g for t, g in zip(total, grads)]
+        losses.append(extras[0])
+        weights.append(extras[1] if isinstance(extras[1], torch.Tensor) else None)
+        if fn.has_aux:
+            auxes.append(extras[2])
+    assert total is not None
+    if fn.accumulate == "full":
+        total = _reduce_full(layout, trainable, shards, total, mesh)
+    if len({w is None for w in weights}) > 1:
+        raise StepError("loss_fn returned a WeightedLoss for some micro-batches and a plain loss for others")
+    with _tracing.phase("update"):
+        if weights[0] is None:
+            # The plain mean over ranks and micro-batches: divided by a count.
+            count = mesh.world_size * fn.microbatches
+            loss_total = losses[0].reshape(1).float()
+            for l in losses[1:]:
+                loss_total = loss_total + l.float()
+            loss = losses[0] if len(losses) == 1 else (loss_total / len(losses)).reshape(()).to(losses[0].dtype)
+            mean_loss = (mesh.all_reduce_flat(loss_total) / count).reshape(())
+            mean = {name: g / count for name, g in zip(names, total)}
+        else:
+            loss_sum = sum((l.float() * w for l, w in zip(losses[1:], weights[1:])), losses[0].float() * weights[0])
+            weight_sum = sum(weights[1:], weights[0])
+            # One collective for both: [sum over ranks and micro-batches of w * loss, of w].
+            sums = mesh.all_reduce_flat(torch.stack([loss_sum, weight_sum]))
+            mean_loss = (sums[0] / sums[1]).reshape(())
+            loss = (loss_sum / weight_sum).to(losses[0].dtype)
+            mean = {name: g / sums[1].to(g.dtype) for name, g in zip(names, total)}
+        finite = None
+        if scale is not None:
+            mean = {name: g / scale.to(g.dtype) for name, g in mean.items()}
+            nonfinite = torch.zeros(1, dtype=torch.float32)
+            for g in mean.values():
+                nonfinite = nonfinite + (~torch.isfinite(g)).sum().float()
+            finite = global_sum(nonfinite, mesh).reshape(()) == 0
+    aux = (auxes[0] if fn.microbatches == 1 else auxes) if fn.has_aux else None
+    return Gradients(mean, local, loss, mean_loss, aux, finite)
+
+
+def _full_gradients(fn: StepFunction, layout: Layout, shards, trainable, frozen_leaves, local, micro, scale):
+    """One micro-batch's gradient with respect to the full (gathered) trainable buffers, in each
+    buffer's reduce dtype: the "full" accumulation strategy sums these over micro-batches and
+    reduce-scatters the sum once per step (`_reduce_full`)."""
+    mesh = fn.mesh
+    with _tracing.phase("forward"):
+        fulls = []
+        for k in trainable:
+            spec = layout.buffers[k]
+            s = shards[k].contiguous()
+            gathered = s if spec.gather_dtype == s.dtype else s.to(spec.gather_dtype)
+            fulls.append(gather_bytes(gathered, mesh, spec))
+
+    def local_loss(fulls, local):
         leaves = dict(frozen_leaves)
         with _tracing.phase("forward"):
-            for k, s in zip(trainable_positions, trainable_shards):
-                spec = layout.buffers[k]
-                leaves.update(zip(spec.leaves, gather_buffer(layout, spec, s, mesh, differentiable=True)))
-            out = fn.loss_fn(layout.assemble(leaves, local), batch)
-        loss, aux = split_loss(out, fn.has_aux, mesh)
-        # torch.func.grad's aux must hold tensors only: no None when there is no aux.
-        return loss, ((loss.detach(), aux) if fn.has_aux else (loss.detach(),))
+            for k, full in zip(trainable, fulls):
+                leaves.update(zip(layout.buffers[k].leaves, layout.unflatten_buffer(layout.buffers[k], full)))
+            with _tracing.graph_semantics():
+                out = fn.loss_fn(layout.assemble(leaves, local), micro)
+        return _objective(fn, out, scale)
 
-    trainable_shards = tuple(shards[k] for k in trainable_positions)
-    grads, (loss, *aux) = torch.func.grad(local_loss, has_aux=True)(trainable_shards, local)
-    names = [layout.buffers[k].name for k in trainable_positions]
-    mean = {name: g / mesh.world_size for name, g in zip(names, grads)}
-    return Gradients(mean, local, loss, aux[0] if fn.has_aux else None)
+    grads, extras = torch.func.grad(local_loss, has_aux=True)(tuple(fulls), local)
+    return [g.to(layout.buffers[k].reduce_dtype) for k, g in zip(trainable, grads)], local, extras
 
 
-def update(fn: StepFunction, layout: Layout, shards, local, opt_state, scalars, batch) -> StepOutput:
-    """One whole step: gradients, the optimizer's update, the mean loss."""
-    grads, local, loss, aux = gradients(fn, layout, shards, local, batch)
+def _reduce_full(layout: Layout, trainable, shards, fulls, mesh) -> list[torch.Tensor]:
+    """Reduce-scatter accumulated full gradients, each back to its shard's dtype."""
+    out = []
+    for k, full in zip(trainable, fulls):
+        grad = ReduceScatterFlat.apply(full.contiguous(), mesh, layout.buffers[k])
+        out.append(grad if grad.dtype == shards[k].dtype else grad.to(shards[k].dtype))
+    return out
+
+
+def update(fn: StepFunction, layout: Layout, shards, local, opt_state, loss_scale, scalars, batch) -> StepOutput:
+    """One whole step: gradients, the global gradient norm, the optimizer's update (skipped
+    where loss scaling found a non-finite gradient), the mean loss."""
+    grads, local, loss, mean, aux, finite = gradients(fn, layout, shards, local, batch, loss_scale)
     trainable = {spec.name: s for spec, s in zip(layout.buffers, shards) if spec.trainable}
     with _tracing.phase("update"):
-        new_trainable, opt_state = fn.optimizer.apply(grads, opt_state, trainable, scalars, inplace=fn.donate, mesh=fn.mesh)
-        mean = mean_loss(fn.mesh, loss)
+        norm = global_norm(list(grads.values()), fn.mesh) if grads else torch.zeros(())
+        new_trainable, new_opt_state = fn.optimizer.apply(
+            grads, opt_state, trainable, scalars, inplace=fn.donate, mesh=fn.mesh
+        )
+    skipped = torch.zeros((), dtype=torch.bool)
+    if finite is not None:
+        skipped = ~finite
+        new_trainable = {n: torch.where(finite, t, trainable[n]) for n, t in new_trainable.items()}
+        new_opt_state = tree_map(lambda new, old: torch.where(finite, new, old), new_opt_state, opt_state)
+        loss_scale = fn.loss_scale.next(loss_scale, finite)
     new_shards = [new_trainable.get(spec.name, s) for spec, s in zip(layout.buffers, shards)]
-    return StepOutput(new_shards, local, opt_state, mean, loss, aux)
+    return StepOutput(new_shards, local, new_opt_state, loss_scale, mean, loss, norm, skipped, aux)
 
 
-def mean_loss(mesh: BaseMesh, loss: torch.Tensor) -> torch.Tensor:
-    """The mean over every rank of the mesh of a 0-d loss, as float32."""
-    return (mesh.all_reduce_flat(loss.reshape(1).float()) / mesh.world_size).reshape(())
+def evaluate(fn: StepFunction, layout: Layout, shards, local, batch) -> EvalOutput:
+    """The forward pass only: every buffer gathered (no gradient), the loss, the mean loss."""
+    mesh = fn.mesh
+    with _tracing.phase("forward"):
+        leaves = dict(_gather_frozen(layout, shards, mesh))
+        for spec, s in zip(layout.buffers, shards):
+            if spec.trainable:
+                leaves.update(zip(spec.leaves, gather_buffer(layout, spec, s, mesh, differentiable=False)))
+        local = tuple(t.clone() for t in local)
+        with _tracing.graph_semantics():
+            out = fn.loss_fn(layout.assemble(leaves, local), _cast_inputs(batch, fn.input_dtype))
+    _, (loss, weight, *aux) = _objective(fn, out, None)
+    with _tracing.phase("update"):
+        if isinstance(weight, torch.Tensor):
+            sums = mesh.all_reduce_flat(torch.stack([loss.float() * weight, weight]))
+            mean = (sums[0] / sums[1]).reshape(())
+        else:
+            mean = (mesh.all_reduce_flat(loss.reshape(1).float()) / mesh.world_size).reshape(())
+    return EvalOutput(local, mean, loss, aux[0] if fn.has_aux else None)
 
 
-def split_loss(out: Any, has_aux: bool, mesh: BaseMesh) -> tuple[torch.Tensor, Any]:
-    """`(loss, aux)` from what `loss_fn` returned, checked: a 0-d floating loss."""
+def split_loss(out: Any, has_aux: bool, mesh: BaseMesh) -> tuple[Any, Any]:
+    """`(loss, aux)` from what `loss_fn` returned (the loss a tensor or a `WeightedLoss`)."""
     if has_aux:
-        if not (isinstance(out, tuple) and len(out) == 2):
-            raise StepError(f"with has_aux=True, loss_fn must return (loss, aux); it returned {type(out).__name__} on rank {mesh.rank}")
-        loss, aux = out
-    else:
-        loss, aux = out, None
+        if isinstance(out, WeightedLoss) or not (isinstance(out, tuple) and len(out) == 2):
+            raise StepError(
+                f"with has_aux=True, loss_fn must return (loss, aux); it returned {type(out).__name__} on rank {mesh.rank}"
+            )
+        return out
+    return out, None
+
+
+def check_loss(loss: Any, has_aux: bool, mesh: BaseMesh, out: Any) -> None:
+    """Raise `StepError` unless `loss` is a 0-d floating tensor."""
     if not isinstance(loss, torch.Tensor) or loss.ndim != 0 or not loss.dtype.is_floating_point:
         got = (
             f"a tensor of shape {list(loss.shape)} and dtype {str(loss.dtype).removeprefix('torch.')}"
             if isinstance(loss, torch.Tensor)
             else f"a {type(loss).__name__}"
         )
-        hint = " (return (loss, aux) with has_aux=True to carry other values)" if not has_aux and isinstance(out, tuple) else ""
+        hint = (
+            " (return (loss, aux) with has_aux=True to carry other values, or fs.WeightedLoss(loss, weight))"
+            if not has_aux and isinstance(out, tuple)
+            else ""
+        )
         raise StepError(
             f"loss_fn must return a scalar: a 0-d floating tensor, e.g. loss.mean(); on rank {mesh.rank} it "
             f"returned {got}{hint}"
         )
-    return loss, aux

@@ -119,9 +119,15 @@ def gather_buffer(layout: Layout, spec: BufferSpec, shard: torch.Tensor, mesh: B
         mesh: the mesh.
         differentiable: gather with `GatherFlat` (its gradient is a reduce-scatter); else move
             the bytes without a gradient (any dtype).
+
+    The buffer is gathered in `spec.gather_dtype` (mixed precision), its gradient reduced in
+    `spec.reduce_dtype`.
     """
     shard = shard.contiguous()
-    full = GatherFlat.apply(shard, mesh, spec) if differentiable else gather_bytes(shard, mesh, spec)
+    if differentiable:
+        full = GatherFlat.apply(shard, mesh, spec, spec.gather_dtype, spec.reduce_dtype)
+    else:
+        full = gather_bytes(shard if spec.gather_dtype == shard.dtype else shard.to(spec.gather_dtype), mesh, spec)
     return layout.unflatten_buffer(spec, full)
 
 

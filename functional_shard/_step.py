@@ -15,12 +15,15 @@ from typing import Any, Callable
 
 import torch
 
+import contextlib
+
 from . import _reference
 from ._jit import Jit
 from ._layout import Layout, UnitPolicy, make_layout
 from ._mesh import BaseMesh, MeshError
 from ._pytree import pytree_dataclass, static_field
 from ._reference import StepError, StepFunction
+from .precision import Precision
 from ._shard import Sharded, _check_shards, shard_leaves
 from ._tree import FROZEN
 from .optim import Optimizer
@@ -50,6 +53,10 @@ class StepState:
             buffers (a `Sharded`).
         opt_state: the optimizer's state over the trainable shards (a pytree whose parameter-like
             parts are dicts `buffer name -> shard`).
+        loss_scale: the dynamic loss scale (`fs.LossScaleState`) with fp16 loss scaling, else None.
+        rng: the seed of the step's random numbers (a 0-d int64 tensor): step `n` on rank `r`
+            draws from a generator seeded by `(seed, n, r)` — reproducible, different on every
+            rank, and resumed exactly with the state.
         step: number of steps taken (an int).
 
     An immutable pytree node (optree and torch): its leaves are those of `params` and
@@ -59,6 +66,8 @@ class StepState:
 
     params: Sharded
     opt_state: Any
+    loss_scale: Any
+    rng: torch.Tensor
     step: int = static_field()
     _key: _StepKey = static_field(repr=False)
 
@@ -91,6 +100,8 @@ class ShardedStep:
         has_aux: bool,
         donate: bool = False,
         max_traces: int = 8,
+        precision: Precision | None = None,
+        microbatches: int = 1,
     ):
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable; got {type(loss_fn).__name__}")
@@ -102,6 +113,16 @@ class ShardedStep:
             raise TypeError(f"schedule must be an fs.Schedule; got {type(schedule).__name__}")
         if not isinstance(max_traces, int) or max_traces < 1:
             raise ValueError(f"max_traces must be an int >= 1; got {max_traces!r}")
+        if precision is not None and not isinstance(precision, Precision):
+            raise TypeError(f"precision must be an fs.Precision or None; got {type(precision).__name__}")
+        if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
+            raise ValueError(f"microbatches must be an int >= 1; got {microbatches!r}")
+        loss_scale = precision.loss_scale if precision is not None else None
+        if loss_scale is not None and donate:
+            raise StepError(
+                "loss scaling skips the update of a step whose gradient is not finite, which needs the old "
+                "parameters: it cannot be combined with donate=True"
+            )
         if schedule.trace and not mesh.supports_tracing:
             raise StepError(
                 f"{mesh!r} cannot trace a step (its ranks are threads, and make_fx traces one thread at a "
@@ -114,8 +135,14 @@ class ShardedStep:
         self.units = units
         self.has_aux = has_aux
         self.donate = donate
-        self._fn = StepFunction(loss_fn, mesh, optimizer, has_aux, donate)
-        self._jit = Jit(self._fn, schedule, max_traces=max_traces)
+        self.precision = precision
+        self.microbatches = microbatches
+        input_dtype = precision.input_dtype() if precision is not None else None
+        self._fn = StepFunction(
+            loss_fn, mesh, optimizer, has_aux, donate, microbatches, schedule.accumulate, loss_scale, input_dtype
+        )
+        self._jit = Jit(self._train, "a training step", mesh, schedule, max_traces=max_traces)
+        self._eval_jit = Jit(self._evaluate, "step.evaluate", mesh, schedule, max_traces=max_traces)
         name = getattr(loss_fn, "__qualname__", type(loss_fn).__name__)
         self._key = _StepKey(f"{name} at 0x{id(self):x} on {mesh!r}")
         # States this step has taken in place (donate=True): they may not be used again.
@@ -126,7 +153,7 @@ class ShardedStep:
 
     # --- init -----------------------------------------------------------------------------
 
-    def init(self, params: Any, *, values: str = "check") -> StepState:
+    def init(self, params: Any, *, seed: int = 0, values: str = "check") -> StepState:
         """Shard `params` over the mesh and build the optimizer state for the trainable shards.
 
         Arguments:
@@ -134,6 +161,8 @@ class ShardedStep:
                 not modified. Leaves inside a `ModuleParams` take the role it gives them
                 (trainable, frozen, buffer); other floating leaves are trainable, other
                 non-floating leaves are carried like frozen ones.
+            seed: the seed of the step's random numbers (dropout): step `n` on rank `r` draws
+                from a generator seeded by `(seed, n, r)`. The caller's own RNG is left as it was.
             values: what to do about the ranks' parameter values. `"check"` (default): compare
                 a hash of every buffer's values across ranks and raise `MeshError` naming the
                 ranks and the first buffer that differ (ranks seeded differently would
@@ -146,7 +175,9 @@ class ShardedStep:
         """
         if values not in ("check", "broadcast", "trust"):
             raise ValueError(f"init(values=...) must be 'check', 'broadcast' or 'trust'; got {values!r}")
-        layout, leaves = make_layout(params, self.mesh.num_shards, units=self.units)
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise ValueError(f"init(seed=...) must be an int; got {seed!r}")
+        layout, leaves = make_layout(params, self.mesh.num_shards, units=self.units, precision=self.precision)
         _check_leaves(layout, leaves, self.mesh)
         self.mesh.agree("step.init")
         self.mesh.check_same("the parameter pytree (paths, shapes, dtypes, units)", layout.signature())
@@ -158,7 +189,8 @@ class ShardedStep:
                 _check_same_values(layout, leaves, self.mesh)
             sharded = shard_leaves(layout, leaves, self.mesh)
             opt_state = self.optimizer.init(_trainable(sharded))
-        return StepState(sharded, opt_state, 0, self._key)
+        loss_scale = self._fn.loss_scale.init() if self._fn.loss_scale is not None else None
+        return StepState(sharded, opt_state, loss_scale, torch.tensor(seed, dtype=torch.int64), 0, self._key)
 
     # --- the step -------------------------------------------------------------------------
 
@@ -168,7 +200,10 @@ class ShardedStep:
         metrics: `loss`, the mean over ranks of the local losses (0-d tensor, every rank);
         `local_loss`, this rank's; `aux`, what `loss_fn` returned besides the loss (with
         `has_aux=True`); `all_gather_bytes` / `reduce_scatter_bytes`, bytes of the full
-        buffers the step's collectives moved. `state` is never modified, whether the step
+        buffers the step's collectives moved; `grad_norm`, the 2-norm of the whole mean
+        gradient (what `torch.nn.utils.clip_grad_norm_` reports); with loss scaling,
+        `skipped` (0-d bool: the gradient was not finite, nothing was updated) and
+        `loss_scale` (the scale this step used). `state` is never modified, whether the step
         succeeds or raises, unless the step was made with `donate=True`.
 
         Ranks may pass batches of different shapes (a traced step then runs a graph per
@@ -177,18 +212,66 @@ class ShardedStep:
         self._check_state(state)
         sharded = state.params
         scalars = self.optimizer.scalars(state.opt_state)
-        if not self.schedule.trace:
-            self.mesh.agree("a training step")
-            with torch.no_grad():
-                out = _reference.update(self._fn, sharded.layout, sharded.shards, sharded.local, state.opt_state, scalars, batch)
-            moved = _eager_bytes(sharded.layout)
-        else:
-            out, compiled = self._jit.run(sharded.layout, sharded.shards, sharded.local, state.opt_state, scalars, batch)
-            moved = compiled.all_gather_bytes, compiled.reduce_scatter_bytes
+        rest = (sharded.local, state.opt_state, state.loss_scale, scalars)
+        with self._random_stream(state):
+            if not self.schedule.trace:
+                self.mesh.agree("a training step")
+                with torch.no_grad():
+                    out = self._train(sharded.layout, sharded.shards, rest, batch)
+                moved = _eager_bytes(sharded.layout, self.microbatches, self.schedule.accumulate)
+            else:
+                out, compiled = self._jit.run(sharded.layout, sharded.shards, rest, batch)
+                moved = compiled.all_gather_bytes, compiled.reduce_scatter_bytes
         if self.donate:
             self._donated.add(state)
-        new_state = StepState(sharded.replace(shards=out.shards, local=out.local), out.opt_state, state.step + 1, self._key)
-        return new_state, self._metrics(out.mean_loss, out.loss, out.aux, *moved)
+        new_state = StepState(
+            sharded.replace(shards=out.shards, local=out.local), out.opt_state, out.loss_scale, state.rng, state.step + 1, self._key
+        )
+        metrics = self._metrics(out.mean_loss, out.loss, out.aux, *moved)
+        metrics["grad_norm"] = out.grad_norm
+        if out.loss_scale is not None:
+            metrics["skipped"] = out.skipped
+            metrics["loss_scale"] = state.loss_scale.scale
+        return new_state, metrics
+
+    def evaluate(self, state: StepState, batch: Any) -> dict[str, Any]:
+        """The loss on `batch` without training: a forward pass with the same per-unit
+        gathering and prefetch as the step (never the whole model on one rank), traced per
+        batch signature and per train/eval mode of the model (`model.eval()` retraces).
+
+        Returns metrics: `loss` (the mean over ranks, weighted with `fs.WeightedLoss`),
+        `local_loss`, and `aux` with `has_aux=True`. A collective. `state` is not modified;
+        module buffers the forward updates (BatchNorm in train mode) are discarded.
+        """
+        self._check_state(state)
+        sharded = state.params
+        with self._random_stream(state):
+            if not self.schedule.trace:
+                self.mesh.agree("step.evaluate")
+                with torch.no_grad():
+                    out = self._evaluate(sharded.layout, sharded.shards, (sharded.local,), batch)
+                moved = sum(b.nbytes for b in sharded.layout.buffers), 0
+            else:
+                out, compiled = self._eval_jit.run(sharded.layout, sharded.shards, (sharded.local,), batch)
+                moved = compiled.all_gather_bytes, compiled.reduce_scatter_bytes
+        return self._metrics(out.mean_loss, out.loss, out.aux, *moved)
+
+    # What the jit traces (and eager runs): the reference computation with the state unpacked.
+    def _train(self, layout: Layout, shards, rest, batch):
+        local, opt_state, loss_scale, scalars = rest
+        return _reference.update(self._fn, layout, shards, local, opt_state, loss_scale, scalars, batch)
+
+    def _evaluate(self, layout: Layout, shards, rest, batch):
+        return _reference.evaluate(self._fn, layout, shards, rest[0], batch)
+
+    def _random_stream(self, state: StepState):
+        """Torch's generators seeded for this step and rank, restored afterwards."""
+        devices = [self.mesh.device] if getattr(self.mesh, "device", torch.device("cpu")).type == "cuda" else []
+        seed = _stream_seed(int(state.rng), state.step, self.mesh.rank)
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.random.fork_rng(devices=devices))
+        torch.manual_seed(seed)
+        return stack
 
     def _metrics(self, mean_loss, loss, aux, all_gather_bytes: int, reduce_scatter_bytes: int) -> dict[str, Any]:
         metrics: dict[str, Any] = {
@@ -234,12 +317,13 @@ class ShardedStep:
         self._check_state(state)
         sharded = state.params
         self.mesh.agree("step.grad")
-        with torch.no_grad():
-            grads, _, loss, aux = _reference.gradients(self._fn, sharded.layout, sharded.shards, sharded.local, batch)
-            mean_loss = _reference.mean_loss(self.mesh, loss)
+        with self._random_stream(state), torch.no_grad():
+            grads, _, loss, mean_loss, aux, _ = _reference.gradients(
+                self._fn, sharded.layout, sharded.shards, sharded.local, batch, state.loss_scale
+            )
         shards = [grads.get(spec.name, torch.zeros_like(s)) for spec, s in zip(sharded.layout.buffers, sharded.shards)]
         grads_sharded = sharded.replace(shards=shards, local=[torch.zeros_like(t) for t in sharded.local])
-        return grads_sharded, self._metrics(mean_loss, loss, aux, *_eager_bytes(sharded.layout))
+        return grads_sharded, self._metrics(mean_loss, loss, aux, *_eager_bytes(sharded.layout, self.microbatches, self.schedule.accumulate))
 
     # --- what the jit did ----------------------------------------------------------------------
 
@@ -255,12 +339,12 @@ class ShardedStep:
             raise StepError("lower() traces the step: it needs a schedule with trace=True")
         sharded = state.params
         scalars = self.optimizer.scalars(state.opt_state)
-        return self._jit.lower(sharded.layout, sharded.shards, sharded.local, state.opt_state, scalars, batch)
+        return self._jit.lower(sharded.layout, sharded.shards, (sharded.local, state.opt_state, state.loss_scale, scalars), batch)
 
     @property
     def cache(self) -> dict:
         """Traced steps by `CacheKey` (`CompiledStep`s: graph, schedule, bytes), least recently used first."""
-        return dict(self._jit.cache)
+        return {key: steps[-1] for key, steps in self._jit.cache.items()}
 
     @property
     def traces(self) -> int:
@@ -340,10 +424,19 @@ def _broadcast_from_rank0(layout: Layout, leaves: list, mesh: BaseMesh) -> list:
     return leaves
 
 
-def _eager_bytes(layout: Layout) -> tuple[int, int]:
-    """Bytes the eager reference moves: every buffer gathered once, every trainable one
-    reduce-scattered once."""
-    return sum(b.nbytes for b in layout.buffers), sum(b.nbytes for b in layout.buffers if b.trainable)
+def _eager_bytes(layout: Layout, microbatches: int = 1, accumulate: str = "sharded") -> tuple[int, int]:
+    """Bytes the eager reference moves: frozen buffers gathered once, trainable ones once per
+    micro-batch, reduce-scattered once per micro-batch ("sharded") or once ("full")."""
+    frozen = sum(b.nbytes for b in layout.buffers if not b.trainable)
+    trainable = sum(b.nbytes for b in layout.buffers if b.trainable)
+    scattered = sum(b.reduce_nbytes for b in layout.buffers if b.trainable)
+    return frozen + microbatches * trainable, scattered * (microbatches if accumulate == "sharded" else 1)
+
+
+def _stream_seed(seed: int, step: int, rank: int) -> int:
+    """The seed of step `step` on rank `rank`: a hash of the three, so streams do not overlap."""
+    digest = hashlib.blake2b(f"{seed}:{step}:{rank}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 def _trainable(sharded: Sharded) -> dict[str, torch.Tensor]:
@@ -361,6 +454,8 @@ def sharded_step(
     has_aux: bool = False,
     donate: bool = False,
     max_traces: int = 8,
+    precision: Precision | None = None,
+    microbatches: int = 1,
 ) -> ShardedStep:
     """Make a fully sharded (FSDP / ZeRO-3) training step for `loss_fn`.
 
@@ -382,6 +477,16 @@ def sharded_step(
         max_traces: traced graphs kept (one per batch signature: shapes, dtypes, static
             values); past it the least recently used is dropped and a warning names what in
             the batch keeps changing (pad or bucket variable lengths to a few sizes).
+        precision: mixed precision (`fs.Precision`): the dtype units are gathered and
+            computed in, the dtype gradients are reduced in, loss scaling for fp16.
+        microbatches: split each batch along its leading dimension into this many
+            micro-batches, run one after the other within the step (one micro-batch's
+            activations alive at a time), and accumulate their gradients as the schedule's
+            `accumulate` says. The loss is the mean over micro-batches (or weighted).
+
+    `loss_fn` may return `fs.WeightedLoss(loss, weight)` (e.g. its count of non-ignored
+    tokens) to weigh ranks and micro-batches: the step then trains on the weighted mean,
+    exactly like single-process training on the concatenated batch.
 
     Returns a `ShardedStep`: `state = step.init(params)`, then `state, metrics = step(state, batch)`.
     """
@@ -394,4 +499,6 @@ def sharded_step(
         has_aux=has_aux,
         donate=donate,
         max_traces=max_traces,
+        precision=precision,
+        microbatches=microbatches,
     )

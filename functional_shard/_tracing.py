@@ -17,7 +17,9 @@ import contextlib
 import contextvars
 from typing import Any, Iterator, NamedTuple
 
-__all__ = ["Issued", "recording", "moving", "phase", "record"]
+import torch.compiler
+
+__all__ = ["Issued", "Guard", "recording", "moving", "phase", "record", "guard", "graph_semantics"]
 
 
 class Issued(NamedTuple):
@@ -28,20 +30,41 @@ class Issued(NamedTuple):
     phase: str  # "forward" | "backward" | "update"
 
 
+class Guard(NamedTuple):
+    """A Python value a traced graph was specialised on (e.g. a module's train/eval mode)."""
+
+    what: str  # what it is, for messages
+    read: Any  # () -> the current value (hashable)
+    value: Any  # the value while tracing
+
+
+_GUARDS: contextvars.ContextVar[list | None] = contextvars.ContextVar("functional_shard_guards", default=None)
 _LOG: contextvars.ContextVar[list | None] = contextvars.ContextVar("functional_shard_trace_log", default=None)
 _BUFFER: contextvars.ContextVar[Any] = contextvars.ContextVar("functional_shard_buffer", default=None)
 _PHASE: contextvars.ContextVar[str] = contextvars.ContextVar("functional_shard_phase", default="backward")
 
 
 @contextlib.contextmanager
-def recording() -> Iterator[list[Issued]]:
-    """Collect an `Issued` record per collective issued inside the block."""
+def recording() -> Iterator[tuple[list[Issued], list[Guard]]]:
+    """Collect an `Issued` record per collective issued inside the block, and the `Guard`s
+    that code run inside it declared."""
     log: list[Issued] = []
-    token = _LOG.set(log)
+    guards: list[Guard] = []
+    token, guard_token = _LOG.set(log), _GUARDS.set(guards)
     try:
-        yield log
+        yield log, guards
     finally:
         _LOG.reset(token)
+        _GUARDS.reset(guard_token)
+
+
+def guard(what: str, read) -> None:
+    """Declare that what is being traced depends on the Python value `read()` (hashable): a
+    traced graph is reused only while `read()` still returns what it returned while tracing.
+    Outside tracing a no-op."""
+    guards = _GUARDS.get()
+    if guards is not None:
+        guards.append(Guard(what, read, read()))
 
 
 @contextlib.contextmanager
@@ -69,3 +92,20 @@ def record(kind: str) -> None:
     log = _LOG.get()
     if log is not None:
         log.append(Issued(kind, _BUFFER.get(), _PHASE.get()))
+
+
+@contextlib.contextmanager
+def graph_semantics() -> Iterator[None]:
+    """Run `loss_fn` as torch.export does: `torch.compiler.is_compiling()` is True inside.
+
+    Libraries check it to skip shortcuts that read a tensor's value — transformers' sdpa
+    masks skip the explicit causal mask when a padding mask is all ones, which a traced graph
+    cannot decide. The eager reference runs under it too, so that both take the same code
+    path (and give the same bits). It sets torch's own flag for the duration (restored after).
+    """
+    old = torch.compiler._is_compiling_flag
+    torch.compiler._is_compiling_flag = True
+    try:
+        yield
+    finally:
+        torch.compiler._is_compiling_flag = old

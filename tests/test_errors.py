@@ -125,7 +125,7 @@ def test_corrupted_shard_is_named():
         state = step.init(params)
         shards = list(state.params.shards)
         shards[1] = torch.zeros(shards[1].numel() + 1)
-        broken = fs.StepState(state.params.replace(shards=shards), state.opt_state, state.step, state._key)
+        broken = state.replace(params=state.params.replace(shards=shards))
         with pytest.raises(fs.LayoutError, match=r"shard of buffer 'blocks.0'.*must be \[\d+\] torch.float32"):
             step(broken, batch)
 

@@ -176,7 +176,7 @@ def rank_dependent_structure(mesh):
 
 def test_ranks_tracing_different_collectives_raise_on_every_rank(local_world):
     for message in local_world(2).run(rank_dependent_structure):
-        assert "ranks disagree on the traced step's collectives" in message, message
+        assert "ranks disagree on the traced collectives of a training step" in message, message
         assert "first difference is at position" in message and "rank 0: all_gather of blocks." in message
 
 

@@ -77,6 +77,14 @@ class Schedule:
             respect that bound: end the list with `fs.schedule.limit_in_flight()`.
         compile: hand the scheduled graph to `torch.compile` (inductor); results then agree
             with the eager reference to fp32 rounding instead of bit for bit.
+        accumulate: with `sharded_step(..., microbatches=k)`, how gradients add up over the
+            micro-batches. `"sharded"` (default, FSDP2's): each micro-batch's gradient is
+            reduce-scattered and summed into shards — low memory, k reduce-scatters per step.
+            `"full"`: each unit's full gradient is summed over the micro-batches and
+            reduce-scattered once per step — the reduce-scatter bytes do not grow with k, but
+            every unit's full gradient stays alive across the micro-batches. The two sum in
+            different orders: each is bit-identical to its own eager reference, and both equal
+            one big batch to fp32 rounding.
     """
 
     trace: bool = True
@@ -88,8 +96,11 @@ class Schedule:
     extra_passes: tuple = ()
     passes: tuple[Pass, ...] | None = None
     compile: bool = False
+    accumulate: str = "sharded"
 
     def __post_init__(self) -> None:
+        if self.accumulate not in ("sharded", "full"):
+            raise ValueError(f"Schedule.accumulate must be 'sharded' or 'full'; got {self.accumulate!r}")
         if isinstance(self.reshard_after_forward, Mapping):
             # Frozen dataclasses should hold hashable values: keep the mapping as sorted pairs.
             object.__setattr__(self, "reshard_after_forward", _FrozenMapping(self.reshard_after_forward))
