@@ -11,6 +11,8 @@ from . import optim as optim
 from . import testing as testing
 from ._export import export as export
 from ._functionalize import functionalize as functionalize
+from ._failures import Failure as Failure
+from ._failures import FailureKind as FailureKind
 from ._launch import RankError as RankError
 from ._launch import keep_freed_memory as keep_freed_memory
 from ._launch import launch as launch
@@ -21,6 +23,8 @@ from ._mesh import Mesh as Mesh
 from ._mesh import MeshError as MeshError
 from ._mesh import SimulatedMesh as SimulatedMesh
 from ._mesh import init_mesh as init_mesh
+from ._mesh import shutdown as shutdown
+from ._pool import WorkerPool as WorkerPool
 from ._shard import Sharded as Sharded
 from ._shard import all_reduce as all_reduce
 from ._shard import gather as gather
@@ -40,6 +44,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BufferSpec",
+    "Failure",
+    "FailureKind",
     "Layout",
     "LayoutError",
     "Mesh",
@@ -53,6 +59,7 @@ __all__ = [
     "StepError",
     "StepState",
     "TraceError",
+    "WorkerPool",
     "all_reduce",
     "export",
     "functionalize",
@@ -65,6 +72,7 @@ __all__ = [
     "schedule",
     "shard",
     "sharded_step",
+    "shutdown",
     "testing",
     "units_by_block",
 ]
