@@ -117,7 +117,7 @@ class FsArm:
         self.state, self.metrics = self.step_fn(self.state, batch)
 
     def memory_roots(self):
-        return list(fs._tree.flatten(self.state)[0])
+        return list(fs.tree_leaves(self.state))
 
     def full_params(self):
         return fs.export(self.state)

@@ -63,7 +63,7 @@ def main(steps: int, world_size: int) -> None:
     results = {}
     for name, schedule in SCHEDULES.items():
         step, state, metrics = train(mesh, schedule, steps)
-        results[name] = fs._tree.flatten(state)[0]
+        results[name] = fs.tree_leaves(state)
         if mesh.rank == 0:
             print(f"\n=== {name}: {schedule}")
             print(f"loss {float(metrics['loss']):.4f}, all-gather {metrics['all_gather_bytes']} B, "

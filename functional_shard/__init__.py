@@ -19,8 +19,11 @@ from ._launch import launch as launch
 from ._layout import BufferSpec as BufferSpec
 from ._layout import Layout as Layout
 from ._layout import LayoutError as LayoutError
+from ._layout import make_layout as make_layout
+from ._mesh import BaseMesh as BaseMesh
 from ._mesh import Mesh as Mesh
 from ._mesh import MeshError as MeshError
+from ._mesh import PeerError as PeerError
 from ._mesh import SimulatedMesh as SimulatedMesh
 from ._mesh import init_mesh as init_mesh
 from ._mesh import shutdown as shutdown
@@ -34,7 +37,16 @@ from ._step import ShardedStep as ShardedStep
 from ._step import StepError as StepError
 from ._step import StepState as StepState
 from ._step import sharded_step as sharded_step
-from ._trace import TraceError as TraceError
+from ._jit import TraceError as TraceError
+from ._pytree import NAMESPACE as PYTREE_NAMESPACE
+from ._pytree import pytree_dataclass as pytree_dataclass
+from ._pytree import static_field as static_field
+from ._pytree import tree_flatten as tree_flatten
+from ._pytree import tree_leaves as tree_leaves
+from ._pytree import tree_map as tree_map
+from ._pytree import tree_paths as tree_paths
+from ._pytree import tree_structure as tree_structure
+from ._pytree import tree_unflatten as tree_unflatten
 from ._tree import ModuleParams as ModuleParams
 from . import schedule as schedule
 from .schedule import Schedule as Schedule
@@ -43,6 +55,7 @@ from ._tree import units_by_block as units_by_block
 __version__ = "0.1.0"
 
 __all__ = [
+    "BaseMesh",
     "BufferSpec",
     "Failure",
     "FailureKind",
@@ -50,6 +63,8 @@ __all__ = [
     "LayoutError",
     "Mesh",
     "MeshError",
+    "PYTREE_NAMESPACE",
+    "PeerError",
     "ModuleParams",
     "RankError",
     "Schedule",
@@ -67,12 +82,21 @@ __all__ = [
     "init_mesh",
     "keep_freed_memory",
     "launch",
+    "make_layout",
     "optim",
+    "pytree_dataclass",
     "reduce_scatter",
     "schedule",
     "shard",
     "sharded_step",
     "shutdown",
+    "static_field",
     "testing",
+    "tree_flatten",
+    "tree_leaves",
+    "tree_map",
+    "tree_paths",
+    "tree_structure",
+    "tree_unflatten",
     "units_by_block",
 ]

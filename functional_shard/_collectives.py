@@ -18,29 +18,11 @@ from __future__ import annotations
 
 import torch
 
-from ._mesh import _MeshBase
+from ._mesh import BaseMesh
+from ._tracing import moving
 
-__all__ = ["GatherFlat", "ReduceScatterFlat", "AllReduceFlat", "gather_bytes", "TraceTag"]
+__all__ = ["GatherFlat", "ReduceScatterFlat", "AllReduceFlat", "gather_bytes"]
 
-
-class TraceTag:
-    """Names the buffer a collective moves, for the jit: while a step is traced, each collective
-    appends `(kind, buffer)` to `log` in call order, and the tracer matches that order with the
-    collective nodes of the graph. Outside tracing the tag is None."""
-
-    __slots__ = ("buffer", "log")
-
-    def __init__(self, buffer: str, log: list):
-        self.buffer = buffer
-        self.log = log
-
-    def record(self, kind: str) -> None:
-        self.log.append((kind, self.buffer))
-
-
-def _record(tag: "TraceTag | None", kind: str) -> None:
-    if tag is not None:
-        tag.record(kind)
 
 # Dtypes gloo has no kernels for: data movement moves their bytes instead.
 _MOVE_AS_BYTES = {torch.int16, torch.uint16, torch.uint32, torch.uint64, torch.complex32, torch.complex64, torch.complex128}
@@ -52,24 +34,24 @@ class GatherFlat(torch.autograd.Function):
     Arguments:
         shard: this rank's slice, `[shard_numel]`, contiguous.
         mesh: the mesh; gathers over its shard axis.
-        tag: a `TraceTag` while the jit traces a step, else None.
+        buffer: the `BufferSpec` it moves (a label for the jit's schedule), or None.
 
     Returns `[num_shards * shard_numel]`: every rank's slice, in shard order, on every rank.
     """
 
     @staticmethod
-    def forward(shard: torch.Tensor, mesh: _MeshBase, tag: TraceTag | None = None) -> torch.Tensor:
-        _record(tag, "all_gather")
-        return mesh.all_gather_flat(shard)
+    def forward(shard: torch.Tensor, mesh: BaseMesh, buffer=None) -> torch.Tensor:
+        with moving(buffer):
+            return mesh.all_gather_flat(shard)
 
     @staticmethod
     def setup_context(ctx, inputs, output) -> None:
         ctx.mesh = inputs[1]
-        ctx.tag = inputs[2] if len(inputs) > 2 else None
+        ctx.buffer = inputs[2] if len(inputs) > 2 else None
 
     @staticmethod
     def backward(ctx, grad_full: torch.Tensor):
-        return ReduceScatterFlat.apply(grad_full.contiguous(), ctx.mesh, ctx.tag), None, None
+        return ReduceScatterFlat.apply(grad_full.contiguous(), ctx.mesh, ctx.buffer), None, None
 
 
 class ReduceScatterFlat(torch.autograd.Function):
@@ -84,22 +66,21 @@ class ReduceScatterFlat(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(full: torch.Tensor, mesh: _MeshBase, tag: TraceTag | None = None) -> torch.Tensor:
-        _record(tag, "reduce_scatter")
-        out = mesh.reduce_scatter_flat(full)
-        if mesh.replicate_axes:
-            _record(tag, "all_reduce")
-            out = mesh.all_reduce_flat(out, mesh.replicate_axes)
+    def forward(full: torch.Tensor, mesh: BaseMesh, buffer=None) -> torch.Tensor:
+        with moving(buffer):
+            out = mesh.reduce_scatter_flat(full)
+            if mesh.replicate_axes:
+                out = mesh.all_reduce_flat(out, mesh.replicate_axes)
         return out
 
     @staticmethod
     def setup_context(ctx, inputs, output) -> None:
         ctx.mesh = inputs[1]
-        ctx.tag = inputs[2] if len(inputs) > 2 else None
+        ctx.buffer = inputs[2] if len(inputs) > 2 else None
 
     @staticmethod
     def backward(ctx, grad_shard: torch.Tensor):
-        return GatherFlat.apply(grad_shard.contiguous(), ctx.mesh, ctx.tag), None, None
+        return GatherFlat.apply(grad_shard.contiguous(), ctx.mesh, ctx.buffer), None, None
 
 
 class AllReduceFlat(torch.autograd.Function):
@@ -112,7 +93,7 @@ class AllReduceFlat(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(x: torch.Tensor, mesh: _MeshBase, axes: tuple[str, ...] | None) -> torch.Tensor:
+    def forward(x: torch.Tensor, mesh: BaseMesh, axes: tuple[str, ...] | None) -> torch.Tensor:
         return mesh.all_reduce_flat(x, axes)
 
     @staticmethod
@@ -124,11 +105,11 @@ class AllReduceFlat(torch.autograd.Function):
         return AllReduceFlat.apply(grad.contiguous(), ctx.mesh, ctx.axes), None, None
 
 
-def gather_bytes(shard: torch.Tensor, mesh: _MeshBase, tag: TraceTag | None = None) -> torch.Tensor:
+def gather_bytes(shard: torch.Tensor, mesh: BaseMesh, buffer=None) -> torch.Tensor:
     """Non-differentiable all-gather of any dtype: dtypes the backend cannot reduce are moved
     as raw bytes (an all-gather only moves data, so their bits arrive unchanged)."""
-    _record(tag, "all_gather")
     shard = shard.detach()
-    if shard.dtype in _MOVE_AS_BYTES:
-        return mesh.all_gather_flat(shard.view(torch.uint8)).view(shard.dtype)
-    return mesh.all_gather_flat(shard)
+    with moving(buffer):
+        if shard.dtype in _MOVE_AS_BYTES:
+            return mesh.all_gather_flat(shard.view(torch.uint8)).view(shard.dtype)
+        return mesh.all_gather_flat(shard)

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import optree
 import torch
 
 from ._shard import Sharded, gather
 from ._step import StepState
-from ._tree import NAMESPACE, ModuleParams
+from ._pytree import tree_map
+from ._tree import ModuleParams
 
 __all__ = ["export"]
 
@@ -25,8 +25,9 @@ def export(state: StepState | Sharded) -> Any:
     sharded = state.params if isinstance(state, StepState) else state
     if not isinstance(sharded, Sharded):
         raise TypeError(f"export expects a StepState or a Sharded; got {type(state).__name__}")
+    sharded.mesh.agree("fs.export")
     with torch.no_grad():
-        tree = optree.tree_map(lambda t: t.detach().clone(), gather(sharded), namespace=NAMESPACE)
+        tree = tree_map(lambda t: t.detach().clone(), gather(sharded))
     if isinstance(tree, ModuleParams):
         return tree.state_dict()
     return tree

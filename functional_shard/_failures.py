@@ -20,7 +20,7 @@ class FailureKind(enum.Enum):
     """What happened to a rank that did not return a result."""
 
     RAISED = "raised"  # its function raised an exception of its own
-    COLLECTIVE = "collective failed"  # it raised from a collective or a peer's connection: usually a consequence
+    COLLECTIVE = "collective failed"  # it raised from a collective, a peer's connection, or `PeerError`: a consequence
     EXITED = "exited without a report"  # the process ended (exit code in `Failure.exit_code`) before reporting
     KILLED = "killed by a signal"  # the process was killed by signal `Failure.signal` (SIGKILL, SIGSEGV, SIGABRT...)
     STOPPED = "stopped by the launcher"  # still running when the launcher gave up on it (grace, interrupt)
@@ -80,14 +80,17 @@ _COLLECTIVE_MARKERS = (
 
 
 def is_collective_error(error: BaseException) -> bool:
-    """Whether `error` (or an exception it was raised from) came from a collective or a peer connection."""
+    """Whether `error` (or an exception it was raised from) came from a collective or a peer
+    connection, or is a `PeerError` (this rank stopped because another failed)."""
     import torch.distributed as dist
+
+    from ._mesh import PeerError
 
     seen: set[int] = set()
     current: BaseException | None = error
     while current is not None and id(current) not in seen:
         seen.add(id(current))
-        if isinstance(current, getattr(dist, "DistError", ())):
+        if isinstance(current, (PeerError, getattr(dist, "DistError", PeerError))):
             return True
         if any(marker in str(current) for marker in _COLLECTIVE_MARKERS):
             return True

@@ -19,7 +19,8 @@ from typing import Any, Callable, Sequence
 import optree
 import torch
 
-from ._tree import BUFFER, TRAINABLE, flatten, leaf_path_strings, leaf_roles, units_by_block
+from ._pytree import tree_flatten, tree_paths
+from ._tree import BUFFER, TRAINABLE, leaf_roles, units_by_block
 
 __all__ = ["BufferSpec", "Layout", "make_layout", "check_leaves_match", "LayoutError"]
 
@@ -148,14 +149,24 @@ def make_layout(tree: Any, num_shards: int, *, units: UnitPolicy | None = None) 
     Raises `LayoutError` naming the path of a leaf that is not a tensor.
     """
     units = units or units_by_block
-    leaves, treedef = flatten(tree)
-    paths = leaf_path_strings(tree)
+    leaves, treedef = tree_flatten(tree)
+    paths = tree_paths(tree)
     roles = leaf_roles(tree)
     for path, leaf in zip(paths, leaves):
         if not isinstance(leaf, torch.Tensor):
             raise LayoutError(
                 f"leaf {path!r} is a {type(leaf).__name__} ({leaf!r:.80}), not a torch.Tensor: every leaf "
                 f"of a sharded pytree must be a tensor (put static values in the function, not the tree)"
+            )
+        if leaf.layout != torch.strided:
+            raise LayoutError(
+                f"leaf {path!r} (shape {list(leaf.shape)}, {leaf.dtype}) is a {leaf.layout} tensor: only dense "
+                f"(strided) tensors can be flattened into a sharded buffer; call .to_dense() on it first"
+            )
+        if leaf.is_quantized:
+            raise LayoutError(
+                f"leaf {path!r} (shape {list(leaf.shape)}) is a quantized tensor ({leaf.dtype}): shard its "
+                f"dequantized values (.dequantize()) or keep it out of the parameter tree"
             )
     groups: dict[tuple[str, bool, torch.dtype], list[int]] = {}
     local = []

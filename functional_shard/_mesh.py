@@ -21,12 +21,43 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["Mesh", "SimulatedMesh", "init_mesh", "shutdown", "MeshError"]
+from ._tracing import record
+
+__all__ = ["BaseMesh", "Mesh", "SimulatedMesh", "init_mesh", "shutdown", "MeshError", "PeerError"]
 
 _C10D = torch.ops._c10d_functional
 
 class MeshError(RuntimeError):
-    """Ranks disagree (structure, shapes, collective sequence) or the mesh does not fit the world."""
+    """Ranks disagree (structure, shapes, collective sequence) or the mesh does not fit the world.
+
+    Attributes:
+        differences: rank -> what it held where ranks first differ (empty when not known).
+    """
+
+    def __init__(self, message: str, differences: dict[int, str] | None = None):
+        super().__init__(message)
+        self.differences = dict(differences or {})
+
+
+class PeerError(MeshError):
+    """This rank stops because another rank failed first (named by `rank`); the cause is there.
+
+    Attributes:
+        rank: the rank that failed.
+    """
+
+    def __init__(self, message: str, rank: int):
+        super().__init__(message)
+        self.rank = rank
+
+
+# The collective operations of the library, by the names `BaseMesh.agree` reports.
+OPERATIONS = ("a training step", "step.init", "step.grad", "step.evaluate", "fs.export", "fs.checkpoint.save", "fs.checkpoint.load")
+
+
+def _digest(text: str) -> int:
+    """`text` hashed to a non-negative int64."""
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
 
 
 def _check_axes(axes: dict[str, int]) -> tuple[tuple[str, ...], tuple[int, ...]]:
@@ -46,8 +77,20 @@ def _shard_axis_of(names: Sequence[str], shard_axis: str | None) -> str:
     return shard_axis
 
 
-class _MeshBase:
-    """What every mesh offers: names, sizes, this rank's coordinates, and flat collectives."""
+class BaseMesh:
+    """What every mesh offers: names, sizes, this rank's coordinates, and flat collectives.
+
+    The contract a mesh fulfils for the library (`Mesh` over torch.distributed, `SimulatedMesh`
+    over threads): subclass it and implement `all_gather_flat`, `reduce_scatter_flat`,
+    `all_reduce_flat` and `all_gather_world`, each issuing its collective on every rank in
+    the same order (SPMD), and set the attributes below.
+
+    Attributes:
+        axis_names / axis_sizes: the axes, in row-major order.
+        rank / world_size: this rank in the world.
+        shard_axis: the axis parameters are sharded over; the others replicate them.
+        supports_tracing: whether a step on this mesh can be traced.
+    """
 
     axis_names: tuple[str, ...]
     axis_sizes: tuple[int, ...]
@@ -105,8 +148,7 @@ class _MeshBase:
         """Raise `MeshError` on every rank unless every rank passes the same `value`.
 
         `value` is hashed to 63 bits and all-gathered; the message names the ranks that differ."""
-        digest = int.from_bytes(hashlib.sha256(value.encode()).digest()[:8], "little") >> 1
-        mine = torch.tensor([digest], dtype=torch.int64)
+        mine = torch.tensor([_digest(value)], dtype=torch.int64)
         everyone = self.all_gather_world(mine).tolist()
         if len(set(everyone)) > 1:
             groups: dict[int, list[int]] = {}
@@ -138,18 +180,40 @@ class _MeshBase:
             for i in range(max(len(x) for x in lists) + 1)
             if len({x[i] if i < len(x) else "<nothing>" for x in lists}) > 1
         )
-        per_rank = "; ".join(f"rank {r}: {x[index] if index < len(x) else '<nothing>'}" for r, x in enumerate(lists))
+        differences = {r: x[index] if index < len(x) else "<nothing>" for r, x in enumerate(lists)}
+        per_rank = "; ".join(f"rank {r}: {item}" for r, item in differences.items())
         raise MeshError(
             f"ranks disagree on {what}: the first difference is at position {index}: {per_rank}. Every rank must "
-            f"run the same collectives in the same order (does the model's structure depend on the rank?)"
+            f"run the same collectives in the same order (does the model's structure depend on the rank?)",
+            differences,
         )
 
     def all_gather_world(self, x: torch.Tensor) -> torch.Tensor:
         """[n] on every rank -> [world_size * n] in rank order (all axes)."""
         raise NotImplementedError
 
+    def agree(self, operation: str, value: int = 0) -> list[int]:
+        """Every rank states which collective operation it is entering and an int; returns
+        every rank's int, in rank order.
 
-class Mesh(_MeshBase):
+        The library's collective entry points (a step, `init`, `grad`, `fs.export`, checkpoints)
+        call it first: ranks that entered different operations (say rank 0 `fs.export`, rank 1
+        its next step) meet in this one small all-gather instead of pairing one's collectives
+        with the other's, and raise `MeshError` on every rank, naming what each rank called.
+        """
+        everyone = self.all_gather_world(torch.tensor([_digest(operation), value], dtype=torch.int64))
+        codes, values = everyone.view(self.world_size, 2).t().tolist()
+        if len(set(codes)) > 1:
+            names = {_digest(name): name for name in (*OPERATIONS, operation)}
+            doing = "; ".join(f"rank {r}: {names.get(c, 'an unknown operation')}" for r, c in enumerate(codes))
+            raise MeshError(
+                f"ranks entered different collective operations ({doing}). Every rank of the {self.describe()} "
+                f"must call the same collective operations in the same order: call it on every rank"
+            )
+        return values
+
+
+class Mesh(BaseMesh):
     """A named mesh of ranks over `torch.distributed`, built on `DeviceMesh`. Make one with `init_mesh`.
 
     Attributes:
@@ -182,12 +246,14 @@ class Mesh(_MeshBase):
         shutdown(barrier=exc_type is None)
 
     def all_gather_flat(self, shard: torch.Tensor) -> torch.Tensor:
+        record("all_gather")
         return _C10D.wait_tensor(
             _C10D.all_gather_into_tensor(shard, self.num_shards, self._group_names[self.shard_axis])
         )
 
     def reduce_scatter_flat(self, full: torch.Tensor) -> torch.Tensor:
         group = self._group_names[self.shard_axis]
+        record("reduce_scatter")
         if not self._gloo:
             return _C10D.wait_tensor(_C10D.reduce_scatter_tensor(full, "sum", self.num_shards, group))
         # gloo's reduce-scatter (torch 2.13) all-reduces the whole buffer and keeps a slice:
@@ -201,12 +267,15 @@ class Mesh(_MeshBase):
     def all_reduce_flat(self, x: torch.Tensor, axes: tuple[str, ...] | None = None) -> torch.Tensor:
         axes = self.axis_names if axes is None else axes
         if set(axes) == set(self.axis_names) and len(self.axis_names) > 1:
+            record("all_reduce")
             return _C10D.wait_tensor(_C10D.all_reduce(x, "sum", self._world_group_name))
         for axis in axes:
+            record("all_reduce")
             x = _C10D.wait_tensor(_C10D.all_reduce(x, "sum", self._group_names[axis]))
         return x
 
     def all_gather_world(self, x: torch.Tensor) -> torch.Tensor:
+        record("all_gather")
         return _C10D.wait_tensor(_C10D.all_gather_into_tensor(x, self.world_size, self._world_group_name))
 
 
@@ -312,7 +381,7 @@ class _Rendezvous:
         return everyone
 
 
-class SimulatedMesh(_MeshBase):
+class SimulatedMesh(BaseMesh):
     """A mesh whose ranks are threads of this process (for tests; see `fs.testing.SimulatedWorld`).
 
     Sums run in rank order, so results are deterministic. A thread that fails breaks the
@@ -358,7 +427,11 @@ class SimulatedMesh(_MeshBase):
         return torch.cat(self._rendezvous.exchange(self.rank, x))
 
 
-def _coordinates(mesh: _MeshBase, rank: int) -> dict[str, int]:
+# The name this class had before it was public (kept for code written against it).
+_MeshBase = BaseMesh
+
+
+def _coordinates(mesh: BaseMesh, rank: int) -> dict[str, int]:
     """`rank`'s index along every axis of `mesh` (row-major, the last axis varies fastest)."""
     out, rest = {}, rank
     for name, size in reversed(list(zip(mesh.axis_names, mesh.axis_sizes))):

@@ -15,16 +15,16 @@ from typing import Any
 
 import optree
 import torch
-import torch.utils._pytree as torch_pytree
 
 from ._collectives import AllReduceFlat, GatherFlat, ReduceScatterFlat, gather_bytes
-from ._layout import Layout, LayoutError, UnitPolicy, make_layout
-from ._mesh import _MeshBase
-from ._tree import NAMESPACE, flatten
+from ._layout import BufferSpec, Layout, LayoutError, UnitPolicy, make_layout
+from ._mesh import BaseMesh
+from ._pytree import pytree_dataclass, static_field, tree_flatten
 
-__all__ = ["Sharded", "shard", "gather", "reduce_scatter", "all_reduce"]
+__all__ = ["Sharded", "shard", "gather", "reduce_scatter", "all_reduce", "gather_buffer"]
 
 
+@pytree_dataclass
 class Sharded:
     """This rank's part of a sharded pytree (made by `fs.shard` or `fs.reduce_scatter`).
 
@@ -35,57 +35,42 @@ class Sharded:
             rank's slice.
         local: the leaves kept whole on every rank (module buffers), in layout order.
 
-    A pytree node (optree and torch): its leaves are `shards` then `local`; layout and mesh are
-    static, so `torch.func.grad` of a function of a `Sharded` returns a `Sharded` of gradients.
+    An immutable pytree node (optree and torch): its leaves are `shards` then `local`; layout
+    and mesh are static, so `torch.func.grad` of a function of a `Sharded` returns a `Sharded`
+    of gradients.
     """
 
-    __slots__ = ("layout", "mesh", "shards", "local")
+    layout: Layout = static_field()
+    mesh: BaseMesh = static_field()
+    shards: tuple = ()
+    local: tuple = ()
 
-    def __init__(self, layout: Layout, mesh: _MeshBase, shards, local=()):
-        self.layout = layout
-        self.mesh = mesh
-        self.shards = tuple(shards)
-        self.local = tuple(local)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shards", tuple(self.shards))
+        object.__setattr__(self, "local", tuple(self.local))
 
     def __repr__(self) -> str:
         units = ", ".join(f"{b.name}: {str(b.dtype).removeprefix('torch.')}[{b.shard_numel}]" for b in self.layout.buffers)
         return f"Sharded({units}; {len(self.local)} local leaves; {self.mesh!r})"
+
+    def __reduce__(self):
+        raise TypeError(
+            "a Sharded holds one rank's shards bound to a live mesh, so it cannot be pickled: save a step's "
+            "state with fs.checkpoint.save(path, state), and gather a Sharded with fs.gather to pickle its values"
+        )
 
     def buffers(self) -> dict[str, torch.Tensor]:
         """Buffer name -> this rank's shard."""
         return {spec.name: s for spec, s in zip(self.layout.buffers, self.shards)}
 
     def replace(self, shards=None, local=None) -> "Sharded":
+        """A copy with other shards and/or local leaves (same layout and mesh)."""
         return Sharded(
             self.layout, self.mesh, self.shards if shards is None else shards, self.local if local is None else local
         )
 
 
-def _flatten_sharded(s: Sharded):
-    return [*s.shards, *s.local], (s.layout, s.mesh, len(s.shards))
-
-
-def _unflatten_sharded(aux, children) -> Sharded:
-    layout, mesh, n = aux
-    children = list(children)
-    return Sharded(layout, mesh, children[:n], children[n:])
-
-
-optree.register_pytree_node(
-    Sharded,
-    lambda s: (*_flatten_sharded(s), [*(b.name for b in s.layout.buffers), *(s.layout.paths[i] for i in s.layout.local)]),
-    _unflatten_sharded,
-    namespace=NAMESPACE,
-)
-torch_pytree.register_pytree_node(
-    Sharded,
-    _flatten_sharded,
-    lambda children, aux: _unflatten_sharded(aux, children),
-    serialized_type_name="functional_shard.Sharded",
-)
-
-
-def shard(tree: Any, mesh: _MeshBase, *, units: UnitPolicy | None = None) -> Sharded:
+def shard(tree: Any, mesh: BaseMesh, *, units: UnitPolicy | None = None) -> Sharded:
     """Cut a pytree into flat per-unit buffers and keep this rank's slice of each.
 
     Arguments:
@@ -100,7 +85,7 @@ def shard(tree: Any, mesh: _MeshBase, *, units: UnitPolicy | None = None) -> Sha
     return shard_leaves(*make_layout(tree, mesh.num_shards, units=units), mesh)
 
 
-def shard_leaves(layout: Layout, leaves: list[torch.Tensor], mesh: _MeshBase) -> Sharded:
+def shard_leaves(layout: Layout, leaves: list[torch.Tensor], mesh: BaseMesh) -> Sharded:
     """`shard` for a tree already flattened into `leaves` with its `layout`."""
     shards = [layout.shard_of(layout.flatten_buffer(spec, leaves), spec, mesh.shard_index) for spec in layout.buffers]
     return Sharded(layout, mesh, shards, [leaves[i] for i in layout.local])
@@ -121,15 +106,26 @@ def gather(sharded: Sharded) -> Any:
     _check_shards(sharded)
     leaves: dict[int, torch.Tensor] = {}
     for spec, s in zip(layout.buffers, sharded.shards):
-        if spec.dtype.is_floating_point:
-            full = GatherFlat.apply(s.contiguous(), mesh)
-        else:
-            full = gather_bytes(s.contiguous(), mesh)
-        leaves.update(zip(spec.leaves, layout.unflatten_buffer(spec, full)))
+        leaves.update(zip(spec.leaves, gather_buffer(layout, spec, s, mesh, differentiable=spec.dtype.is_floating_point)))
     return layout.assemble(leaves, sharded.local)
 
 
-def reduce_scatter(tree: Any, mesh: _MeshBase, *, units: UnitPolicy | None = None) -> Sharded:
+def gather_buffer(layout: Layout, spec: BufferSpec, shard: torch.Tensor, mesh: BaseMesh, *, differentiable: bool) -> list[torch.Tensor]:
+    """All-gather one flat buffer and return its leaves (views of the full buffer, in `spec.leaves` order).
+
+    Arguments:
+        layout / spec: the layout and the buffer.
+        shard: this rank's slice `[spec.shard_numel]`.
+        mesh: the mesh.
+        differentiable: gather with `GatherFlat` (its gradient is a reduce-scatter); else move
+            the bytes without a gradient (any dtype).
+    """
+    shard = shard.contiguous()
+    full = GatherFlat.apply(shard, mesh, spec) if differentiable else gather_bytes(shard, mesh, spec)
+    return layout.unflatten_buffer(spec, full)
+
+
+def reduce_scatter(tree: Any, mesh: BaseMesh, *, units: UnitPolicy | None = None) -> Sharded:
     """Sum a pytree over every rank of the mesh; each rank keeps its slice of each flat buffer.
 
     Differentiable: the gradient is `gather` of the cotangent. Leaves a `ModuleParams` marks as
@@ -152,13 +148,13 @@ def reduce_scatter(tree: Any, mesh: _MeshBase, *, units: UnitPolicy | None = Non
     return Sharded(layout, mesh, shards, local)
 
 
-def all_reduce(tree: Any, mesh: _MeshBase, *, axes: tuple[str, ...] | None = None) -> Any:
+def all_reduce(tree: Any, mesh: BaseMesh, *, axes: tuple[str, ...] | None = None) -> Any:
     """Sum every leaf of a pytree over the ranks along `axes` (default: all), on every rank.
 
     Differentiable; the gradient is the same sum of the cotangent (self-adjoint).
     One collective per dtype: leaves of a dtype travel together in one flat buffer.
     """
-    leaves, treedef = flatten(tree)
+    leaves, treedef = tree_flatten(tree)
     out: list[Any] = list(leaves)
     by_dtype: dict[torch.dtype, list[int]] = {}
     for i, leaf in enumerate(leaves):
@@ -176,7 +172,7 @@ def all_reduce(tree: Any, mesh: _MeshBase, *, axes: tuple[str, ...] | None = Non
     return optree.tree_unflatten(treedef, out)
 
 
-def _all_reduce_leaf(leaf: torch.Tensor, mesh: _MeshBase) -> torch.Tensor:
+def _all_reduce_leaf(leaf: torch.Tensor, mesh: BaseMesh) -> torch.Tensor:
     return all_reduce([leaf], mesh)[0]
 
 

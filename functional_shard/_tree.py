@@ -1,8 +1,4 @@
-"""Pytree helpers: leaf paths, leaf roles, and `ModuleParams`, the pytree a module becomes.
-
-Every pytree utility of the library goes through optree. `ModuleParams` is also registered
-with `torch.utils._pytree` so that `torch.func` transforms and `make_fx` accept it directly.
-"""
+"""`ModuleParams` (the pytree a module becomes), the roles of its leaves, and the default unit policy."""
 
 from __future__ import annotations
 
@@ -12,13 +8,10 @@ from typing import Any, Callable
 
 import optree
 import torch
-import torch.utils._pytree as torch_pytree
 
-# optree registrations of this library live in their own namespace; every optree call here
-# passes it, so `ModuleParams` flattens by name.
-NAMESPACE = "functional_shard"
+from ._pytree import NAMESPACE, register_node, tree_flatten
 
-__all__ = ["ModuleParams", "TRAINABLE", "FROZEN", "BUFFER", "leaf_path_strings", "leaf_roles", "flatten"]
+__all__ = ["ModuleParams", "TRAINABLE", "FROZEN", "BUFFER", "leaf_roles", "units_by_block"]
 
 # The three roles a leaf can play in a sharded step.
 TRAINABLE = "trainable"  # sharded, gathered, differentiated, updated by the optimizer
@@ -135,43 +128,12 @@ def _describe(value: Any) -> str:
     return repr(value)
 
 
-optree.register_pytree_node(
-    ModuleParams,
-    lambda p: (p._children(), p._structure(), [*p.trainable, *p.frozen, *p.buffers]),
-    ModuleParams._rebuild,
-    namespace=NAMESPACE,
-)
-torch_pytree.register_pytree_node(
+register_node(
     ModuleParams,
     lambda p: (p._children(), p._structure()),
-    lambda children, structure: ModuleParams._rebuild(structure, children),
-    serialized_type_name="functional_shard.ModuleParams",
-    flatten_with_keys_fn=lambda p: (
-        [(torch_pytree.MappingKey(k), v) for k, v in zip(p, p._children())],
-        p._structure(),
-    ),
+    ModuleParams._rebuild,
+    names=lambda p: [*p.trainable, *p.frozen, *p.buffers],
 )
-
-
-def flatten(tree: Any) -> tuple[list[Any], optree.PyTreeSpec]:
-    """Leaves and structure of `tree`; `None` is an empty subtree, as in JAX."""
-    return optree.tree_flatten(tree, none_is_leaf=False, namespace=NAMESPACE)
-
-
-def leaf_path_strings(tree: Any) -> list[str]:
-    """A readable path per leaf, in flatten order: `blocks.0.attn.weight`, `a[0].b`, ..."""
-    paths, _, _ = optree.tree_flatten_with_path(tree, none_is_leaf=False, namespace=NAMESPACE)
-    return [path_string(p) for p in paths]
-
-
-def path_string(path: tuple) -> str:
-    out = ""
-    for entry in path:
-        if isinstance(entry, int):
-            out += f"[{entry}]"
-        else:
-            out += f".{entry}" if out else str(entry)
-    return out or "<root>"
 
 
 def leaf_roles(tree: Any) -> list[str]:
@@ -185,7 +147,7 @@ def leaf_roles(tree: Any) -> list[str]:
         none_is_leaf=False,
         namespace=NAMESPACE,
     )
-    roles, _ = flatten(role_tree)
+    roles, _ = tree_flatten(role_tree)
     return roles
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import time
 
+import threading
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,10 +15,15 @@ import functional_shard as fs
 from functional_shard.models import MLP
 
 
+_MODEL_LOCK = threading.Lock()
+
+
 def small_problem(mesh, **step_options):
     step_options.setdefault("schedule", fs.Schedule(trace=mesh.supports_tracing))
-    torch.manual_seed(0)
-    model = MLP(5, 8, 3, n_blocks=2)
+    with _MODEL_LOCK:  # thread ranks of a simulated world share torch's global RNG
+        torch.manual_seed(0)
+        model = MLP(5, 8, 3, n_blocks=2)
+        batch = (torch.randn(4, 5), torch.randint(0, 3, (4,)))
     apply_fn, params = fs.functionalize(model)
 
     def loss_fn(p, batch):
@@ -24,16 +31,15 @@ def small_problem(mesh, **step_options):
         return F.cross_entropy(apply_fn(p, x), y)
 
     step = fs.sharded_step(loss_fn, mesh, optimizer=fs.optim.adamw(lr=1e-2), **step_options)
-    batch = (torch.randn(4, 5), torch.randint(0, 3, (4,)))
     return apply_fn, params, step, batch
 
 
 def snapshot(state):
-    return [t.clone() for t in fs._tree.flatten(state)[0]]
+    return [t.clone() for t in fs.tree_leaves(state)]
 
 
 def unchanged(state, before) -> bool:
-    return all(torch.equal(a, b) for a, b in zip(fs._tree.flatten(state)[0], before))
+    return all(torch.equal(a, b) for a, b in zip(fs.tree_leaves(state), before))
 
 
 # --- mesh ------------------------------------------------------------------------------------
@@ -107,7 +113,7 @@ def test_state_from_another_step_or_mesh_is_refused_and_untouched():
 
     def on_other_mesh(mesh, state):
         _, _, step, batch = small_problem(mesh)
-        with pytest.raises(fs.StepError, match=r"made for SimulatedMesh\(\{'fsdp': 2\}.*this step runs on SimulatedMesh"):
+        with pytest.raises(fs.StepError, match=r"made for another mesh object \(SimulatedMesh\(\{'fsdp': 2\}.*than this step's \(SimulatedMesh"):
             step(state, batch)
 
     fs.testing.SimulatedWorld(2).run(lambda mesh: on_other_mesh(mesh, states[mesh.rank]))
@@ -187,6 +193,7 @@ def test_simulated_mesh_refuses_to_trace():
 
 def rank_one_fails_mid_step(collective_timeout: float):
     mesh = fs.init_mesh({"fsdp": 2}, timeout=collective_timeout)
+    torch.manual_seed(0)
     apply_fn, params = fs.functionalize(MLP(5, 8, 3, n_blocks=2))
 
     def loss_fn(p, batch):
@@ -243,6 +250,7 @@ def test_launch_returns_rank_zero_result():
 
 def rank_one_stalls_mid_step(collective_timeout: float, stall: float):
     mesh = fs.init_mesh({"fsdp": 2}, timeout=collective_timeout)
+    torch.manual_seed(0)
     apply_fn, params = fs.functionalize(MLP(5, 8, 3, n_blocks=2))
 
     def loss_fn(p, batch):

@@ -32,23 +32,23 @@ def test_frozen_parameters_and_buffers():
     _, params = fs.functionalize(model)
     assert set(params.frozen) == {"stem.weight", "stem.bias"}
     assert "stem_norm.running_mean" in params.buffers and "stem_norm.num_batches_tracked" in params.buffers
-    assert fs._tree.leaf_roles(params).count("buffer") == len(params.buffers)
+    assert fs.make_layout(params, num_shards=1)[0].roles.count("buffer") == len(params.buffers)
 
 
 def test_default_units_are_blocks_plus_rest():
     model = GPT(GPTConfig(vocab_size=11, block_size=8, n_layer=3, n_head=2, d_model=8))
     _, params = fs.functionalize(model)
-    layout, _ = fs._layout.make_layout(params, num_shards=2)
+    layout, _ = fs.make_layout(params, num_shards=2)
     assert layout.units == ("rest", "blocks.0", "blocks.1", "blocks.2")
     sequential = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
     _, params = fs.functionalize(sequential)
-    assert fs._layout.make_layout(params, num_shards=2)[0].units == ("0", "2")
+    assert fs.make_layout(params, num_shards=2)[0].units == ("0", "2")
 
 
 def test_custom_unit_policy():
     model = GPT(GPTConfig(vocab_size=11, block_size=8, n_layer=3, n_head=2, d_model=8))
     _, params = fs.functionalize(model)
-    layout, _ = fs._layout.make_layout(params, num_shards=2, units=lambda path: "attn" if ".attn." in path else "other")
+    layout, _ = fs.make_layout(params, num_shards=2, units=lambda path: "attn" if ".attn." in path else "other")
     assert layout.units == ("other", "attn")
 
 

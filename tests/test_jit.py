@@ -55,11 +55,11 @@ def run_steps(mesh, model_name, schedule):
 def traced_equals_eager(mesh, model_name: str) -> list[str]:
     """Problems found (empty when every schedule matches the eager reference bit for bit)."""
     reference, reference_metrics, _ = run_steps(mesh, model_name, fs.Schedule(trace=False))
-    expected = fs._tree.flatten(reference)[0]
+    expected = fs.tree_leaves(reference)
     problems = []
     for schedule in SCHEDULES:
         state, metrics, step = run_steps(mesh, model_name, schedule)
-        got = fs._tree.flatten(state)[0]
+        got = fs.tree_leaves(state)
         different = [i for i, (a, b) in enumerate(zip(got, expected)) if not torch.equal(a, b)]
         if different or len(got) != len(expected):
             problems.append(f"{schedule}: leaves {different} differ")
@@ -132,7 +132,7 @@ def memory_of_schedules(mesh) -> list[tuple[int, int, int]]:
         tracker = GatheredStorages(issued)
         sharded = state.params
         scalars = step.optimizer.scalars(state.opt_state)
-        inputs = [*sharded.shards, *sharded.local, *fs._tree.flatten(state.opt_state)[0], *scalars.values(), *batch]
+        inputs = [*sharded.shards, *sharded.local, *fs.tree_leaves(state.opt_state), *fs.tree_leaves(scalars), *batch]
         with tracker:
             compiled.run(*inputs)
         out.append((prefetch, fs.schedule.max_units_alive(compiled.events), tracker.most))
@@ -228,7 +228,7 @@ def test_untraceable_loss_names_the_operation_and_the_eager_way_out(local_world)
 def compiled_matches(mesh):
     eager, _, _ = run_steps(mesh, "mlp", fs.Schedule(trace=False))
     compiled, _, _ = run_steps(mesh, "mlp", fs.Schedule(compile=True))
-    pairs = zip(fs._tree.flatten(compiled)[0], fs._tree.flatten(eager)[0])
+    pairs = zip(fs.tree_leaves(compiled), fs.tree_leaves(eager))
     return all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in pairs)
 
 
@@ -246,12 +246,12 @@ def donation(mesh):
         state = step.init(params)
         first = state
         for i in range(STEPS):
-            before = [t.data_ptr() for t in fs._tree.flatten(state.opt_state)[0] if t.numel() > 1]
+            before = [t.data_ptr() for t in fs.tree_leaves(state.opt_state) if t.numel() > 1]
             state, _ = step(state, local_batch(global_batch("gpt", mesh.world_size, i), mesh.rank))
-            after = [t.data_ptr() for t in fs._tree.flatten(state.opt_state)[0] if t.numel() > 1]
+            after = [t.data_ptr() for t in fs.tree_leaves(state.opt_state) if t.numel() > 1]
             out[f"in place {trace}"] = out.get(f"in place {trace}", True) and before == after
         out[f"same bits {trace}"] = all(
-            torch.equal(a, b) for a, b in zip(fs._tree.flatten(state)[0], fs._tree.flatten(reference)[0])
+            torch.equal(a, b) for a, b in zip(fs.tree_leaves(state), fs.tree_leaves(reference))
         )
         with pytest.raises(fs.StepError, match="donated"):
             step(first, local_batch(global_batch("gpt", mesh.world_size, 0), mesh.rank))
@@ -273,7 +273,7 @@ def bucketing(mesh, model_name):
         gm = step.cache[next(iter(step.cache))].graph_module
         gathers = [c for c in fs.schedule.collectives(gm) if c.kind == "all_gather"]
         out[bucket_bytes] = {
-            "same bits": all(torch.equal(a, b) for a, b in zip(fs._tree.flatten(state)[0], fs._tree.flatten(reference)[0])),
+            "same bits": all(torch.equal(a, b) for a, b in zip(fs.tree_leaves(state), fs.tree_leaves(reference))),
             "same bytes": metrics["all_gather_bytes"] == plain_metrics["all_gather_bytes"],
             "gathers": len(gathers),
             "unbucketed gathers": len([c for c in fs.schedule.collectives(plain.cache[next(iter(plain.cache))].graph_module) if c.kind == "all_gather"]),

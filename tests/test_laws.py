@@ -58,16 +58,12 @@ def policy(name: str):
 
 def rank_variant(tree, rank: int):
     """What rank `rank` holds in the reduction laws: different values on every rank."""
-    return fs._tree.optree.tree_map(
-        lambda t: t if t.dtype == torch.bool else t * (rank + 1) - rank,
-        tree,
-        namespace=fs._tree.NAMESPACE,
-    )
+    return fs.tree_map(lambda t: t if t.dtype == torch.bool else t * (rank + 1) - rank, tree)
 
 
 def tree_equal(a, b) -> bool:
-    la, sa = fs._tree.flatten(a)
-    lb, sb = fs._tree.flatten(b)
+    la, sa = fs.tree_flatten(a)
+    lb, sb = fs.tree_flatten(b)
     return sa == sb and all(x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y) for x, y in zip(la, lb))
 
 
@@ -92,8 +88,8 @@ def adjoint_products(mesh, tree, unit_policy):
     units = policy(unit_policy)
     s = fs.shard(tree, mesh, units=units)
     y = rank_variant(tree, mesh.rank)
-    full = fs._tree.flatten(fs.gather(s))[0]
-    left = sum(float((a.double() * b.double()).sum()) for a, b in zip(full, fs._tree.flatten(y)[0]))
+    full = fs.tree_leaves(fs.gather(s))
+    left = sum(float((a.double() * b.double()).sum()) for a, b in zip(full, fs.tree_leaves(y)))
     scattered = fs.reduce_scatter(y, mesh, units=units)
     right = sum(float((a.double() * b.double()).sum()) for a, b in zip(s.shards, scattered.shards))
     return left, right
@@ -108,7 +104,7 @@ def gradient_is_reduce_scatter(mesh, tree):
     weights = rank_variant(tree, mesh.rank)
 
     def loss(full):
-        return sum((leaf * w).sum() for leaf, w in zip(fs._tree.flatten(full)[0], fs._tree.flatten(weights)[0]))
+        return sum((leaf * w).sum() for leaf, w in zip(fs.tree_leaves(full), fs.tree_leaves(weights)))
 
     s = fs.shard(tree, mesh)
     grads = torch.func.grad(lambda s: loss(fs.gather(s)))(s)

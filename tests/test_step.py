@@ -107,10 +107,10 @@ def train_and_compare(mesh, model_name: str, kind: str) -> dict:
             }
             report["frozen_grads_zero"] = all(not full_grads[n].any() for n in params.frozen)
         previous = state
-        before = [t.clone() for t in fs._tree.flatten(previous)[0]]
+        before = [t.clone() for t in fs.tree_leaves(previous)]
         state, metrics = step(state, mine)
         report["state_untouched"] = report.get("state_untouched", True) and all(
-            torch.equal(a, b) for a, b in zip(before, fs._tree.flatten(previous)[0])
+            torch.equal(a, b) for a, b in zip(before, fs.tree_leaves(previous))
         )
         reference_optimizer.zero_grad()
         reference_loss(model_name, reference, batch, world).backward()

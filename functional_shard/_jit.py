@@ -1,0 +1,394 @@
+"""The jit of `sharded_step`: trace the reference step once per input signature, schedule it, replay it.
+
+Tracing runs the very function the eager reference runs (`_reference.update`) under
+`make_fx(tracing_mode="fake")`: no real computation and no real collective happens while
+tracing. The collectives in it are labelled as they are issued (`_tracing`), the end of the
+forward pass is marked, the schedule's passes move the collectives, and the graph is cached
+under a `CacheKey`.
+
+Ranks decide together (`Jit.run`): every step starts with one small all-gather in which each
+rank states the digest of the collectives of the graph it is about to run, or that it has to
+trace. If any rank traces, every rank then compares the whole sequence of collectives before
+any of them runs, so ranks whose batches have different shapes (variable-length batches) run
+different graphs that issue the same collectives, and ranks that would issue different ones
+raise together instead of pairing mismatched messages.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+import traceback
+import warnings
+from typing import Any, Callable
+
+import optree
+import torch
+import torch._subclasses.fake_tensor
+import torch.fx.experimental.symbolic_shapes
+from torch import fx
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from . import _mesh, _reference, _tracing
+from . import schedule as schedule_lib
+from ._layout import Layout
+from ._pytree import tree_flatten, tree_paths
+
+__all__ = ["TraceError", "CacheKey", "FlatIO", "CompiledStep", "Jit"]
+
+
+class TraceError(ValueError):
+    """`loss_fn` could not be traced (it reads a tensor's value in Python)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheKey:
+    """What a traced graph is specialised on: compared by value, hashable.
+
+    Attributes:
+        layout: the parameters' layout (paths, shapes, dtypes, units, padding).
+        opt_structure / opt_leaves: the optimizer state's structure, and its leaves' shapes and dtypes.
+        scalar_structure: the structure of the optimizer's per-step scalars.
+        batch_structure / batch: the batch's structure, and per leaf `("tensor", shape, dtype,
+            device type)` or `("static", type name, value)` for values baked into the graph.
+    """
+
+    layout: Layout
+    opt_structure: optree.PyTreeSpec
+    opt_leaves: tuple
+    scalar_structure: optree.PyTreeSpec
+    batch_structure: optree.PyTreeSpec
+    batch: tuple
+
+    def describe(self) -> str:
+        parts = [f"{str(d[2]).removeprefix('torch.')}{list(d[1])}" if d[0] == "tensor" else repr(d[2]) for d in self.batch]
+        return "batch (" + ", ".join(parts) + ")"
+
+
+def _describe_batch(leaves: list) -> tuple:
+    described = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            described.append(("tensor", tuple(leaf.shape), leaf.dtype, leaf.device.type))
+        else:
+            try:
+                hash(leaf)
+            except TypeError:
+                raise TraceError(
+                    f"a traced step bakes non-tensor batch values into its graph, so they must be hashable; "
+                    f"got a {type(leaf).__name__}: pass tensors, or use fs.Schedule(trace=False)"
+                ) from None
+            described.append(("static", type(leaf).__name__, leaf))
+    return tuple(described)
+
+
+class FlatIO:
+    """Packs a step's inputs into the flat tensor list a traced graph takes, and its outputs back.
+
+    Inputs: `[*shards, *local, *optimizer state leaves, *scalar leaves, *batch tensors]`.
+    Outputs: `[*new trainable shards, *local, *optimizer state leaves, mean loss, loss, *aux leaves]`.
+    """
+
+    def __init__(self, layout: Layout, opt_structure, scalar_structure, batch_structure, batch_leaves: list):
+        self.layout = layout
+        self.trainable = tuple(k for k, spec in enumerate(layout.buffers) if spec.trainable)
+        self.opt_structure = opt_structure
+        self.scalar_structure = scalar_structure
+        self.batch_structure = batch_structure
+        self.batch_tensors = tuple(i for i, leaf in enumerate(batch_leaves) if isinstance(leaf, torch.Tensor))
+        # Static batch values are part of the cache key, hence the same for every call.
+        self.batch_static = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in batch_leaves]
+        self.counts = (
+            len(layout.buffers),
+            len(layout.local),
+            opt_structure.num_leaves,
+            scalar_structure.num_leaves,
+            len(self.batch_tensors),
+        )
+        self.aux_structure: optree.PyTreeSpec | None = None
+        # Index of the local loss among the outputs: the end of the forward pass.
+        self.loss_output = len(self.trainable) + len(layout.local) + opt_structure.num_leaves + 1
+
+    def inputs(self, shards, local, opt_leaves, scalar_leaves, batch_leaves) -> list[torch.Tensor]:
+        return [*shards, *local, *opt_leaves, *scalar_leaves, *(batch_leaves[i] for i in self.batch_tensors)]
+
+    def split_inputs(self, flat) -> tuple[list, list, Any, Any, Any]:
+        pieces, start = [], 0
+        for count in self.counts:
+            pieces.append(list(flat[start : start + count]))
+            start += count
+        shards, local, opt_leaves, scalar_leaves, batch_tensors = pieces
+        batch_leaves = list(self.batch_static)
+        for i, t in zip(self.batch_tensors, batch_tensors):
+            batch_leaves[i] = t
+        return (
+            shards,
+            local,
+            optree.tree_unflatten(self.opt_structure, opt_leaves),
+            optree.tree_unflatten(self.scalar_structure, scalar_leaves),
+            optree.tree_unflatten(self.batch_structure, batch_leaves),
+        )
+
+    def outputs(self, out: _reference.StepOutput) -> list[torch.Tensor]:
+        aux_leaves, self.aux_structure = tree_flatten(out.aux)
+        return [
+            *(out.shards[k] for k in self.trainable),
+            *out.local,
+            *tree_flatten(out.opt_state)[0],
+            out.mean_loss,
+            out.loss,
+            *aux_leaves,
+        ]
+
+    def split_outputs(self, flat: list, shards_before) -> _reference.StepOutput:
+        n_trainable, n_local, n_opt = len(self.trainable), len(self.layout.local), self.opt_structure.num_leaves
+        shards = list(shards_before)
+        for k, t in zip(self.trainable, flat[:n_trainable]):
+            shards[k] = t
+        rest = flat[n_trainable:]
+        local, rest = tuple(rest[:n_local]), rest[n_local:]
+        opt_state = optree.tree_unflatten(self.opt_structure, rest[:n_opt])
+        mean_loss, loss = rest[n_opt], rest[n_opt + 1]
+        aux = optree.tree_unflatten(self.aux_structure, rest[n_opt + 2 :]) if self.aux_structure is not None else None
+        return _reference.StepOutput(shards, local, opt_state, mean_loss, loss, aux)
+
+
+@dataclasses.dataclass
+class CompiledStep:
+    """One traced, scheduled step, cached per `CacheKey`.
+
+    Attributes:
+        key: what it was traced for.
+        graph_module: the scheduled `torch.fx.GraphModule` (flat inputs and outputs, see `FlatIO`).
+        io: packs its inputs and unpacks its outputs.
+        events: the applied schedule, read back from the graph (`fs.schedule.ScheduleEvent`s).
+        sequence: its collectives in issue order, as text (what ranks compare).
+        digest: a 63-bit hash of `sequence`, never 0.
+        all_gather_bytes / reduce_scatter_bytes: bytes of the full buffers moved per step.
+        run: what is called each step (`graph_module`, or its `torch.compile`d form).
+    """
+
+    key: CacheKey
+    graph_module: fx.GraphModule
+    io: FlatIO
+    events: list
+    sequence: list[str]
+    digest: int
+    all_gather_bytes: int
+    reduce_scatter_bytes: int
+    run: Callable
+
+    def explain(self) -> str:
+        return schedule_lib.explain(self.events, title=f"schedule of {self.key.describe()}")
+
+
+_DATA_DEPENDENT = tuple(
+    t
+    for t in (
+        getattr(torch._subclasses.fake_tensor, "DataDependentOutputException", None),
+        getattr(torch._subclasses.fake_tensor, "DynamicOutputShapeException", None),
+        getattr(torch.fx.experimental.symbolic_shapes, "GuardOnDataDependentSymNode", None),
+    )
+    if t is not None
+)
+
+
+def _culprit_frame(error: BaseException) -> str:
+    """The innermost frame outside torch and this library in `error`'s traceback, as
+    'file:line in function: code' — a frame of the user's code, or of a library such as
+    transformers that the user's code called."""
+    library = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)))
+    for frame in reversed(traceback.extract_tb(error.__traceback__)):
+        path = os.path.abspath(frame.filename)
+        if not path.startswith(library) and not path.startswith("<"):
+            return f"{frame.filename}:{frame.lineno} in {frame.name}: {(frame.line or '').strip()}"
+    return "(no frame outside torch found)"
+
+
+def trace(fn: _reference.StepFunction, key: CacheKey, io: FlatIO, inputs: list, schedule) -> CompiledStep:
+    """Trace the reference step for `key` with fake tensors, label its collectives, apply `schedule`."""
+    layout = key.layout
+
+    def flat_step(*flat):
+        shards, local, opt_state, scalars, batch = io.split_inputs(flat)
+        return io.outputs(_reference.update(fn, layout, shards, local, opt_state, scalars, batch))
+
+    with _tracing.recording() as log:
+        try:
+            gm = make_fx(flat_step, tracing_mode="fake", _allow_non_fake_inputs=True)(*inputs)
+        except _DATA_DEPENDENT as error:
+            op = getattr(error, "func", None)
+            if op is None:  # a guard on an unbacked value: bool()/int()/float()/.item() of a tensor
+                op = "aten._local_scalar_dense (bool(), int(), float() or .item() of a tensor)"
+            detail = str(error).strip().splitlines()[0][:300] if str(error).strip() else type(error).__name__
+            raise TraceError(
+                f"sharded_step could not trace loss_fn: the operation {op} needs the value of a tensor, at "
+                f"{_culprit_frame(error)} ({type(error).__name__}: {detail}). A traced step replays one graph for "
+                f"every batch, so it cannot branch on data (Python if/while on a tensor, .item(), .tolist(), outputs "
+                f"whose shape depends on values). Run this loss eagerly with fs.Schedule(trace=False), or write the "
+                f"branch with torch.where"
+            ) from error
+    _label_collectives(gm, log)
+    _mark_forward_end(gm, io.loss_output)
+    gm = schedule_lib.apply_schedule(gm, schedule)
+    events = schedule_lib.analyze(gm)
+    kinds = {"gather_issued": "all_gather", "reduce_scatter_issued": "reduce_scatter", "all_reduce_issued": "all_reduce"}
+    sequence = [f"{kinds[e.event]} of {e.buffer or 'the loss'} ({e.nbytes} bytes)" for e in events if e.event in kinds]
+    run = torch.compile(gm, backend="inductor", fullgraph=True, dynamic=False) if schedule.compile else gm
+    return CompiledStep(
+        key=key,
+        graph_module=gm,
+        io=io,
+        events=events,
+        sequence=sequence,
+        digest=_mesh._digest("\n".join(sequence)) or 1,
+        all_gather_bytes=sum(e.nbytes for e in events if e.event == "gather_issued"),
+        reduce_scatter_bytes=sum(e.nbytes for e in events if e.event == "reduce_scatter_issued"),
+        run=run,
+    )
+
+
+def _label_collectives(gm: fx.GraphModule, log: list[_tracing.Issued]) -> None:
+    """Match the collectives recorded while tracing with the graph's collective nodes, in order."""
+    issued = [n for n in gm.graph.nodes if n.target in schedule_lib.ISSUE_OPS]
+    if len(issued) != len(log):
+        raise RuntimeError(
+            f"internal: the graph has {len(issued)} collectives but {len(log)} were issued while tracing; "
+            f"is a collective issued outside the mesh's methods?"
+        )
+    for node, entry in zip(issued, log):
+        if schedule_lib.ISSUE_OPS[node.target] != entry.kind:
+            raise RuntimeError(f"internal: collective {node.name} is a {node.target} but was recorded as {entry.kind}")
+        node.meta["fs_buffer"] = entry.buffer.name if entry.buffer is not None else ""
+        node.meta["fs_unit"] = entry.buffer.unit if entry.buffer is not None else ""
+        node.meta["fs_phase"] = entry.phase
+
+
+def _mark_forward_end(gm: fx.GraphModule, output_index: int) -> None:
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    node = output.args[0][output_index]
+    while node.op == "call_function" and node.target in (torch.ops.aten.detach.default, torch.ops.aten.alias.default):
+        node = node.args[0]
+    node.meta["fs_forward_end"] = True
+
+
+# How a rank that failed to trace fills its place in the ranks' comparison of collectives.
+_FAILED = "<could not trace the step>"
+
+
+class Jit:
+    """The traced steps of one `ShardedStep`: a bounded cache, the ranks' agreement, the replay.
+
+    Arguments:
+        fn: the step's function.
+        schedule: the `fs.Schedule` applied to every trace.
+        max_traces: how many traced graphs to keep; past it the least recently used is
+            dropped, and a warning names what keeps changing in the batch.
+    """
+
+    def __init__(self, fn: _reference.StepFunction, schedule, *, max_traces: int):
+        self.fn = fn
+        self.schedule = schedule
+        self.max_traces = max_traces
+        self.cache: collections.OrderedDict[CacheKey, CompiledStep] = collections.OrderedDict()
+        self.last: CompiledStep | None = None
+        self.traces = 0  # graphs traced so far (a retrace after eviction counts again)
+        self._warned = False
+
+    def run(self, layout: Layout, shards, local, opt_state, scalars, batch) -> tuple[_reference.StepOutput, CompiledStep]:
+        mesh = self.fn.mesh
+        opt_leaves, opt_structure = tree_flatten(opt_state)
+        scalar_leaves, scalar_structure = tree_flatten(scalars)
+        batch_leaves, batch_structure = tree_flatten(batch)
+        key = CacheKey(
+            layout=layout,
+            opt_structure=opt_structure,
+            opt_leaves=tuple((tuple(t.shape), t.dtype) for t in opt_leaves),
+            scalar_structure=scalar_structure,
+            batch_structure=batch_structure,
+            batch=_describe_batch(batch_leaves),
+        )
+        compiled = self.cache.get(key)
+        io = compiled.io if compiled is not None else FlatIO(layout, opt_structure, scalar_structure, batch_structure, batch_leaves)
+        inputs = io.inputs(shards, local, opt_leaves, scalar_leaves, batch_leaves)
+        digests = mesh.agree("a training step", compiled.digest if compiled is not None else 0)
+        if compiled is None or len(set(digests)) > 1:
+            compiled = self._agree_on_trace(key, io, inputs, compiled, batch)
+        self.cache.move_to_end(key)
+        self.last = compiled
+        with torch.no_grad():
+            outputs = compiled.run(*inputs)
+        return compiled.io.split_outputs(outputs, shards), compiled
+
+    def _agree_on_trace(self, key: CacheKey, io: FlatIO, inputs: list, compiled: CompiledStep | None, batch) -> CompiledStep:
+        """Trace where this rank must (no collective runs while tracing), then compare every
+        rank's sequence of collectives; a rank that failed to trace says so in the comparison,
+        so that the others raise with it instead of waiting for its collectives."""
+        mesh = self.fn.mesh
+        failure: BaseException | None = None
+        if compiled is None:
+            try:
+                compiled = trace(self.fn, key, io, inputs, self.schedule)
+            except Exception as error:  # noqa: BLE001 - reported to every rank, then re-raised here
+                failure = error
+        sequence = compiled.sequence if compiled is not None else [
+            f"{_FAILED} {type(failure).__name__}: {str(failure)[:300]}"
+        ]
+        try:
+            mesh.check_same_sequence("the traced step's collectives", sequence)
+        except _mesh.MeshError as error:
+            if failure is not None:
+                raise failure from None
+            failed = [r for r, item in error.differences.items() if item.startswith(_FAILED)]
+            if failed:
+                raise _mesh.PeerError(
+                    f"rank {failed[0]} could not trace the step, so rank {mesh.rank} stops with it (no collective "
+                    f"of the step ran): {error.differences[failed[0]].removeprefix(_FAILED).strip()}",
+                    failed[0],
+                ) from None
+            raise
+        if failure is not None:
+            raise failure
+        assert compiled is not None
+        if key not in self.cache:
+            self._insert(key, compiled, batch)
+        return compiled
+
+    def _insert(self, key: CacheKey, compiled: CompiledStep, batch) -> None:
+        self.traces += 1
+        self.cache[key] = compiled
+        if len(self.cache) > self.max_traces:
+            self.cache.popitem(last=False)
+            if not self._warned:
+                self._warned = True
+                warnings.warn(
+                    f"sharded_step traced {self.traces} graphs and keeps at most max_traces={self.max_traces}: "
+                    f"{_what_changes(list(self.cache), batch)}. Each new shape or static value costs a trace "
+                    f"(seconds, and memory for its graph): pad or bucket it to a few sizes, pass changing numbers "
+                    f"as tensors, or raise max_traces",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
+
+
+def _what_changes(keys: list[CacheKey], batch) -> str:
+    """Which batch leaf dimensions or static values took several values across `keys`."""
+    paths = tree_paths(batch)
+    changes = []
+    if len({k.batch_structure for k in keys}) > 1:
+        changes.append("the batch's structure changes")
+    for i, path in enumerate(paths):
+        described = [k.batch[i] for k in keys if len(k.batch) == len(paths)]
+        kinds = {d[0] for d in described}
+        if kinds == {"tensor"}:
+            shapes = [d[1] for d in described]
+            for dim in range(max(len(s) for s in shapes)):
+                values = sorted({s[dim] for s in shapes if dim < len(s)})
+                if len(values) > 1:
+                    changes.append(f"batch leaf {path!r} dim {dim} took {len(values)} values {values[:8]}")
+        elif len({d[2] for d in described}) > 1:
+            changes.append(f"batch value {path!r} took {len({d[2] for d in described})} values")
+    if len({(k.layout, k.opt_structure, k.opt_leaves, k.scalar_structure) for k in keys}) > 1:
+        changes.append("the state's structure or the optimizer's scalars changed")
+    return "; ".join(changes) or "the batch's shapes or static values keep changing"
