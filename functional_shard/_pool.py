@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import datetime
 import io
 import multiprocessing
 import multiprocessing.connection
