@@ -12,6 +12,8 @@ from . import checkpoint as checkpoint
 from . import testing as testing
 from ._export import export as export
 from ._functionalize import functionalize as functionalize
+from ._failures import Failure as Failure
+from ._failures import FailureKind as FailureKind
 from ._launch import RankError as RankError
 from ._launch import keep_freed_memory as keep_freed_memory
 from ._launch import launch as launch
@@ -29,6 +31,8 @@ from .precision import LossScaleState as LossScaleState
 from .precision import Precision as Precision
 from ._mesh import SimulatedMesh as SimulatedMesh
 from ._mesh import init_mesh as init_mesh
+from ._mesh import shutdown as shutdown
+from ._pool import WorkerPool as WorkerPool
 from ._shard import Sharded as Sharded
 from ._shard import all_reduce as all_reduce
 from ._shard import gather as gather
@@ -58,6 +62,8 @@ __version__ = "0.1.0"
 __all__ = [
     "BaseMesh",
     "BufferSpec",
+    "Failure",
+    "FailureKind",
     "Layout",
     "LayoutError",
     "LossScale",
@@ -77,6 +83,7 @@ __all__ = [
     "StepState",
     "TraceError",
     "WeightedLoss",
+    "WorkerPool",
     "all_reduce",
     "checkpoint",
     "export",
@@ -92,6 +99,7 @@ __all__ = [
     "schedule",
     "shard",
     "sharded_step",
+    "shutdown",
     "static_field",
     "testing",
     "tree_flatten",

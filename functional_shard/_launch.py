@@ -2,23 +2,22 @@
 
 `launch(main, world_size=2)` is to one machine what `torchrun` is to many: it sets `RANK`,
 `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR` and `MASTER_PORT` in each process, so the same
-`main` runs under both. It watches every rank: when one raises, the parent raises `RankError`
-with that rank's number and traceback, and the others are stopped (after `grace` seconds in
-which they may report their own errors), so nothing hangs and no process is left behind.
+`main` runs under both. It watches every rank: when one fails, the parent raises `RankError`
+naming the rank that failed first, with its traceback, and the others are stopped (after
+`grace` seconds in which they may report their own errors), so nothing hangs and no process is
+left behind, not even when the launcher itself is killed. The ranks are a `WorkerPool`.
 """
 
 from __future__ import annotations
 
-import multiprocessing
-import multiprocessing.connection
 import os
+import signal
+import threading
 import time
-import traceback
 from typing import Any, Callable
 
-import torch
-
-from ._mesh import _free_port
+from ._failures import Failure, FailureKind, RankError
+from ._pool import WorkerPool
 
 __all__ = ["launch", "RankError", "keep_freed_memory"]
 
@@ -56,166 +55,55 @@ def keep_freed_memory() -> bool:
     return ok
 
 
-class RankError(RuntimeError):
-    """A rank of a local launch failed.
+class _Interrupted(BaseException):
+    """Raised in the launcher's main thread by SIGTERM or SIGINT, so the ranks are stopped first."""
 
-    Attributes:
-        rank: the first rank that failed.
-        remote_traceback: its traceback, as text.
-        failures: rank -> one-line description, for every rank that failed or was stopped.
-    """
-
-    def __init__(self, rank: int, summary: str, remote_traceback: str, failures: dict[int, str]):
-        self.rank = rank
-        self.remote_traceback = remote_traceback
-        self.failures = failures
-        others = "".join(f"\n  rank {r}: {why}" for r, why in sorted(failures.items()) if r != rank)
-        super().__init__(
-            f"rank {rank} failed: {summary}{others}\n\n--- traceback of rank {rank} ---\n{remote_traceback}"
-        )
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
 
 
-def _environment(rank: int, world_size: int, port: int) -> dict[str, str]:
-    return {
-        "RANK": str(rank),
-        "WORLD_SIZE": str(world_size),
-        "LOCAL_RANK": str(rank),
-        "LOCAL_WORLD_SIZE": str(world_size),
-        "GROUP_RANK": "0",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-    }
+class _StopOnSignals:
+    """While active, SIGTERM and SIGINT raise `_Interrupted` in the main thread (once: a second
+    signal while the ranks are being stopped is ignored). On exit the previous handlers are back,
+    and an interrupting signal is raised again for them: the launcher then dies of SIGTERM or
+    raises KeyboardInterrupt as it would have without `launch`, only after its ranks are gone.
 
+    Outside the main thread it does nothing (Python runs handlers in the main thread only); the
+    ranks still die with their parent. A signal that was ignored (SIG_IGN) stays ignored."""
 
-def _threads_per_rank(world_size: int) -> int:
-    return max(1, (os.cpu_count() or 1) // world_size)
+    _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
+    def __init__(self):
+        self.previous: dict[int, Any] = {}
+        self.received: int | None = None
 
-def _report_error(conn, error: BaseException) -> None:
-    summary = f"{type(error).__name__}: {error}".splitlines()[0][:500]
-    conn.send(("error", summary, traceback.format_exc()))
+    def _handle(self, signum: int, frame) -> None:
+        if self.received is None:
+            self.received = signum
+            raise _Interrupted(signum)
 
-
-def _start_rank(rank: int, world_size: int, port: int, threads: int) -> None:
-    """What every rank of a local world does first."""
-    os.environ.update(_environment(rank, world_size, port))
-    torch.set_num_threads(threads)
-
-
-def _run_rank(rank: int, world_size: int, port: int, conn, main: Callable, args: tuple, kwargs: dict, threads: int):
-    _start_rank(rank, world_size, port, threads)
-    try:
-        result = main(*args, **kwargs)
-        conn.send(("ok", result if rank == 0 else None))
-    except BaseException as error:  # noqa: BLE001 - every failure must reach the parent
-        _report_error(conn, error)
-        conn.close()
-        os._exit(1)  # do not wait in process-group teardown for ranks that may be gone
-    _destroy_process_group()
-    conn.close()
-
-
-def _destroy_process_group() -> None:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-
-
-class _Ranks:
-    """Processes of one local world and a pipe to each; collects one report per rank."""
-
-    def __init__(self, world_size: int, target: Callable, extra_args: tuple, *, start_method: str = "spawn"):
-        self.world_size = world_size
-        context = multiprocessing.get_context(start_method)
-        port = _free_port()
-        self.connections = []
-        self.processes = []
-        for rank in range(world_size):
-            parent_end, child_end = context.Pipe()
-            process = context.Process(
-                target=target,
-                args=(rank, world_size, port, child_end, *extra_args),
-                name=f"functional_shard-rank{rank}",
-                daemon=True,
-            )
-            process.start()
-            child_end.close()
-            self.connections.append(parent_end)
-            self.processes.append(process)
-
-    def collect(self, *, timeout: float | None, grace: float) -> list[Any]:
-        """One report from every rank: their results, in rank order, or `RankError`."""
-        results: dict[int, Any] = {}
-        failures: dict[int, tuple[str, str]] = {}
-        first_failure: float | None = None
-        deadline = None if timeout is None else time.monotonic() + timeout
-        waiting = set(range(self.world_size))
-        while waiting:
-            now = time.monotonic()
-            if first_failure is not None and now - first_failure > grace:
-                for rank in waiting:
-                    failures[rank] = (f"stopped by the launcher {grace:.0f} s after rank {min(failures)} failed", "")
-                self.stop()
-                break
-            if deadline is not None and now > deadline:
-                for rank in waiting:
-                    failures[rank] = (f"no report within the launch timeout of {timeout} s", "")
-                self.stop()
-                break
-            watched = {self.connections[r]: r for r in waiting}
-            watched.update({self.processes[r].sentinel: r for r in waiting})
-            for ready in multiprocessing.connection.wait(list(watched), timeout=0.2):
-                rank = watched[ready]
-                if rank not in waiting:
+    def __enter__(self) -> "_StopOnSignals":
+        if threading.current_thread() is threading.main_thread():
+            for signum in self._SIGNALS:
+                previous = signal.getsignal(signum)
+                if previous is signal.SIG_IGN or previous is None:  # None: a C handler we could not restore
                     continue
-                connection = self.connections[rank]
-                report = None
-                try:
-                    if connection.poll():
-                        report = connection.recv()
-                except (EOFError, OSError):
-                    report = None
-                if report is None:
-                    if ready is connection or not self.processes[rank].is_alive():
-                        self.processes[rank].join(timeout=1)
-                        code = self.processes[rank].exitcode
-                        report = ("error", f"process exited with code {code} without a report", "")
-                    else:
-                        continue
-                waiting.discard(rank)
-                if report[0] == "ok":
-                    results[rank] = report[1]
-                else:
-                    failures[rank] = (report[1], report[2])
-                    if first_failure is None:
-                        first_failure = time.monotonic()
-        if failures:
-            # The first rank to report an error of its own is the cause; the others' errors
-            # (a broken connection, a collective timeout, being stopped) are consequences.
-            # Dict order is arrival order.
-            # A PeerError says outright that another rank failed first.
-            real = (
-                [r for r, (summary, tb) in failures.items() if tb and not summary.startswith("PeerError")]
-                or [r for r, (_, tb) in failures.items() if tb]
-                or list(failures)
-            )
-            first = real[0]
-            summary, remote_traceback = failures[first]
-            raise RankError(first, summary, remote_traceback, {r: s for r, (s, _) in failures.items()})
-        return [results[r] for r in range(self.world_size)]
+                self.previous[signum] = previous
+                signal.signal(signum, self._handle)
+        return self
 
-    def stop(self) -> None:
-        for process in self.processes:
-            if process.is_alive():
-                process.terminate()
-        for process in self.processes:
-            process.join(timeout=5)
-            if process.is_alive():
-                process.kill()
-                process.join(timeout=5)
-        for connection in self.connections:
-            connection.close()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        for signum, previous in self.previous.items():
+            signal.signal(signum, previous)
+        if isinstance(exc, _Interrupted):
+            signal.raise_signal(exc.signum)
+
+
+def _main_of_rank(main: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    result = main(*args, **kwargs)
+    # Only rank 0's result is wanted; the others' need not even be picklable.
+    return result if os.environ.get("RANK") == "0" else None
 
 
 def launch(
@@ -232,24 +120,41 @@ def launch(
 
     Arguments:
         main: a picklable (module-level) function. Inside it, `fs.init_mesh(...)` joins the
-            world (gloo on CPU). Its return value on rank 0 must be picklable.
+            world (gloo on CPU). Its return value on rank 0 may be any picklable object,
+            tensors and state dicts included (it is copied with `torch.save`).
         world_size: number of processes.
-        args / kwargs: passed to `main` on every rank.
+        args / kwargs: passed to `main` on every rank (copied the same way).
         timeout: seconds the whole launch may take before every rank is stopped (default: none).
         grace: seconds the other ranks get, once one has failed, to report before they are
             stopped (a rank blocked in a collective with the failed one would otherwise wait
             for its collective timeout).
         threads_per_rank: `torch.set_num_threads` in each rank (default: cores // world_size).
 
-    Raises `RankError` naming the failed rank, with its traceback; no process outlives the call.
-    The caller's script must guard its entry point with `if __name__ == "__main__":` (the
-    processes are spawned, not forked, so they import it afresh).
+    Raises `RankError` naming the rank that failed first (`.rank`), with its traceback and a
+    typed `Failure` for every rank (`.failures`). No process outlives the call: ranks die with
+    the launcher even when it is killed, and SIGTERM or SIGINT to the launcher (in the main
+    thread) stops the ranks before taking effect. Each rank ends with `fs.shutdown()` (a
+    barrier, then `destroy_process_group`) and `os._exit`, so `atexit` handlers registered in
+    a rank do not run. The caller's script must guard its entry point with
+    `if __name__ == "__main__":` (the processes are spawned, not forked, so they import it afresh).
     """
-    if not isinstance(world_size, int) or world_size < 1:
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size must be a positive int; got {world_size!r}")
-    threads = threads_per_rank or _threads_per_rank(world_size)
-    ranks = _Ranks(world_size, _run_rank, (main, tuple(args), dict(kwargs or {}), threads))
+    deadline = None if timeout is None else time.monotonic() + timeout
     try:
-        return ranks.collect(timeout=timeout, grace=grace)[0]
-    finally:
-        ranks.stop()
+        with _StopOnSignals():
+            pool = None
+            try:
+                pool = WorkerPool(world_size, threads_per_rank=threads_per_rank, exit_on_error=True, start_timeout=timeout)
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                result = pool.run(_main_of_rank, (main, tuple(args), dict(kwargs or {})), timeout=left, grace=grace)[0]
+                pool.close()
+                return result
+            finally:
+                if pool is not None:
+                    pool.stop()
+    except _Interrupted as interrupt:
+        # The previous handler neither ended the process nor raised: report the stop.
+        name = signal.Signals(interrupt.signum).name
+        why = f"stopped by the launcher: it received {name}"
+        raise RankError({rank: Failure(FailureKind.STOPPED, why) for rank in range(world_size)}) from None

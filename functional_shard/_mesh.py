@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ._tracing import record
 
-__all__ = ["BaseMesh", "Mesh", "SimulatedMesh", "init_mesh", "MeshError", "PeerError"]
+__all__ = ["BaseMesh", "Mesh", "SimulatedMesh", "init_mesh", "shutdown", "MeshError", "PeerError"]
 
 _C10D = torch.ops._c10d_functional
 
@@ -242,6 +242,13 @@ class Mesh(BaseMesh):
         self.max_collectives_in_flight = 1 if self._gloo else None
         self._world_group_name = dist.group.WORLD.group_name
 
+    def __enter__(self) -> "Mesh":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        # After an error, no barrier: the peers may be waiting for this rank in another collective.
+        shutdown(barrier=exc_type is None)
+
     def all_gather_flat(self, shard: torch.Tensor) -> torch.Tensor:
         record("all_gather")
         return _C10D.wait_tensor(
@@ -297,31 +304,56 @@ def init_mesh(
     Works under `torchrun` and `fs.launch` (both set `RANK`, `WORLD_SIZE`, `MASTER_ADDR`,
     `MASTER_PORT`, `LOCAL_RANK`), and in a process whose default group already exists (then
     `backend` and `timeout` are those of that group). A single process with none of these
-    variables becomes a world of one.
+    variables becomes a world of one, on an in-memory store (no rendezvous server, no port),
+    and `os.environ` is left as it was.
+
+    Use it as a context manager (`with fs.init_mesh(...) as mesh:`) to leave the process group
+    at the end (`fs.shutdown()`); that ends the default group even if another part of the
+    program created it.
     """
     names, sizes = _check_axes(axes)
     if isinstance(timeout, (int, float)):
         timeout = datetime.timedelta(seconds=timeout)
     if not dist.is_initialized():
-        if "RANK" not in os.environ:
-            # A plain `python script.py`: a world of one, on a free local port.
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
-            os.environ.setdefault("RANK", "0")
-            os.environ.setdefault("WORLD_SIZE", "1")
-            os.environ.setdefault("LOCAL_RANK", "0")
-        world = int(os.environ["WORLD_SIZE"])
+        world = int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ else 1
         _check_product(names, sizes, world)
         if backend is None:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend, timeout=timeout or datetime.timedelta(seconds=600))
+        timeout = timeout or datetime.timedelta(seconds=600)
+        if "RANK" in os.environ:
+            dist.init_process_group(backend, timeout=timeout)
+        else:
+            # A plain `python script.py`: a world of one needs no rendezvous.
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     else:
         _check_product(names, sizes, dist.get_world_size())
     device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
     device_mesh = init_device_mesh(device_type, sizes, mesh_dim_names=names)
     return Mesh(device_mesh, shard_axis=shard_axis)
+
+
+def shutdown(*, barrier: bool = True) -> None:
+    """Leave the default process group: a barrier, then `destroy_process_group`.
+
+    The barrier makes every rank's last collective complete before any rank tears its group
+    down; without it, a gloo worker thread could destroy that collective's work during
+    interpreter shutdown and abort the process ("terminate called without an active
+    exception"). Call it at the end of a script run by `torchrun` (or use the mesh as a
+    context manager); `fs.launch` calls it for you. Safe to call twice, or with no group.
+
+    Arguments:
+        barrier: wait for the other ranks first (default). Pass False after an error: the
+            peers may be blocked in another collective and never reach the barrier.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    try:
+        if barrier and dist.get_world_size() > 1:
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
 
 
 def _check_product(names, sizes, world: int) -> None:
@@ -333,14 +365,6 @@ def _check_product(names, sizes, world: int) -> None:
             f"mesh axes {dict(zip(names, sizes))} hold {product} ranks but the world has {world}: "
             f"the product of the axis sizes must equal the world size"
         )
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class _Rendezvous:

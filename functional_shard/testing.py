@@ -17,34 +17,15 @@ import threading
 import traceback
 from typing import Any, Callable
 
-import torch
-
-from ._launch import RankError, _Ranks, _report_error, _start_rank, _threads_per_rank
+from ._failures import Failure, FailureKind, RankError, first_cause
 from ._mesh import SimulatedMesh, _Rendezvous, init_mesh
+from ._pool import WorkerPool
 
 __all__ = ["LocalWorld", "SimulatedWorld"]
 
 
-def _serve(rank: int, world_size: int, port: int, conn, axes: dict[str, int], collective_timeout: float, threads: int):
-    _start_rank(rank, world_size, port, threads)
-    try:
-        mesh = init_mesh(axes, timeout=datetime.timedelta(seconds=collective_timeout))
-        conn.send(("ok", None))
-    except BaseException as error:  # noqa: BLE001
-        _report_error(conn, error)
-        return
-    while True:
-        try:
-            task = conn.recv()
-        except EOFError:
-            return
-        if task is None:
-            return
-        fn, args, kwargs = task
-        try:
-            conn.send(("ok", fn(mesh, *args, **kwargs)))
-        except BaseException as error:  # noqa: BLE001
-            _report_error(conn, error)
+def _join_mesh(axes: dict[str, int], collective_timeout: float):
+    return init_mesh(axes, timeout=datetime.timedelta(seconds=collective_timeout))
 
 
 class LocalWorld:
@@ -57,7 +38,7 @@ class LocalWorld:
         call_timeout: seconds one `run` may take; then the world is stopped (and restarted by the
             next `run`).
 
-    Use as a context manager, or call `close()`.
+    Use as a context manager, or call `close()`. The processes are a `fs.WorkerPool`.
     """
 
     def __init__(
@@ -72,42 +53,28 @@ class LocalWorld:
         self.axes = axes or {"fsdp": world_size}
         self.collective_timeout = collective_timeout
         self.call_timeout = call_timeout
-        self._ranks: _Ranks | None = None
-
-    def _start(self) -> _Ranks:
-        threads = _threads_per_rank(self.world_size)
-        ranks = _Ranks(self.world_size, _serve, (self.axes, self.collective_timeout, threads))
-        try:
-            ranks.collect(timeout=self.call_timeout, grace=5.0)
-        except BaseException:
-            ranks.stop()
-            raise
-        return ranks
+        self._pool: WorkerPool | None = None
 
     def run(self, fn: Callable[..., Any], *args, **kwargs) -> list[Any]:
-        """`fn(mesh, *args, **kwargs)` on every rank; the list of their results in rank order."""
-        if self._ranks is None:
-            self._ranks = self._start()
-        for connection in self._ranks.connections:
-            connection.send((fn, args, kwargs))
-        try:
-            return self._ranks.collect(timeout=self.call_timeout, grace=self.collective_timeout + 5.0)
-        except RankError as error:
-            # Ranks that raised together (the same error everywhere) leave a usable world;
-            # ranks that were stopped do not.
-            if any("stopped by the launcher" in why or "without a report" in why or "timeout" in why for why in error.failures.values()):
-                self.close()
-            raise
+        """`fn(mesh, *args, **kwargs)` on every rank; the list of their results in rank order.
+
+        A rank that raises makes `run` raise `RankError`. Ranks that all raised errors of their
+        own leave the world usable; any other failure (a collective error, a dead or stopped
+        rank) stops it, and the next `run` starts a fresh one."""
+        if self._pool is None or self._pool.closed:
+            self._pool = WorkerPool(
+                self.world_size,
+                setup=_join_mesh,
+                setup_args=(self.axes, self.collective_timeout),
+                start_timeout=self.call_timeout,
+            )
+        # Grace beyond the collective timeout: a rank waiting for a failed one raises by itself.
+        return self._pool.run(fn, args, kwargs, timeout=self.call_timeout, grace=self.collective_timeout + 5.0)
 
     def close(self) -> None:
-        if self._ranks is not None:
-            for connection in self._ranks.connections:
-                try:
-                    connection.send(None)
-                except (OSError, BrokenPipeError):
-                    pass
-            self._ranks.stop()
-            self._ranks = None
+        if self._pool is not None:
+            pool, self._pool = self._pool, None
+            pool.close()
 
     def __enter__(self) -> "LocalWorld":
         return self
@@ -148,9 +115,14 @@ class SimulatedWorld:
         for t in threads:
             t.join()
         if errors:
-            real = {r: e for r, e in errors.items() if not isinstance(e[0], threading.BrokenBarrierError)}
-            first = min(real or errors)
-            error, remote_traceback = errors[first]
-            failures = {r: f"{type(e).__name__}: {e}" for r, (e, _) in errors.items()}
-            raise RankError(first, f"{type(error).__name__}: {error}", remote_traceback, failures) from error
+            # A thread that found the barrier broken failed because another one did.
+            failures = {
+                r: Failure(
+                    FailureKind.COLLECTIVE if isinstance(e, threading.BrokenBarrierError) else FailureKind.RAISED,
+                    f"{type(e).__name__}: {e}",
+                    remote_traceback,
+                )
+                for r, (e, remote_traceback) in sorted(errors.items())
+            }
+            raise RankError(failures) from errors[first_cause(failures)][0]
         return results

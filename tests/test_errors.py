@@ -218,7 +218,7 @@ def test_rank_that_raises_mid_step_does_not_hang_the_others():
     assert error.rank == 1
     assert "rank 1 failed: RuntimeError: rank one cannot go on" in str(error)
     assert "Traceback" in error.remote_traceback and "loss_fn" in error.remote_traceback
-    assert 0 in error.failures and "stopped by the launcher" not in error.failures[0], error.failures
+    assert 0 in error.failures and error.failures[0].kind is not fs.FailureKind.STOPPED, error.failures
     assert elapsed < 45, f"took {elapsed:.0f} s"
 
 
@@ -234,7 +234,8 @@ def test_launcher_stops_ranks_after_grace():
     with pytest.raises(fs.RankError) as info:
         fs.launch(rank_one_fails_while_rank_zero_is_busy, world_size=2, grace=1.0)
     assert info.value.rank == 1
-    assert "stopped by the launcher 1 s after rank 1 failed" in info.value.failures[0]
+    assert info.value.failures[0].kind is fs.FailureKind.STOPPED
+    assert "stopped by the launcher 1 s after rank 1 failed" in info.value.failures[0].message
     assert time.monotonic() - start < 45
 
 

@@ -1,0 +1,333 @@
+"""The launcher's lifetime guarantees: no rank outlives the launcher, results arrive whatever
+they hold, ranks leave without crashing, nothing listens beyond loopback, and `RankError` names
+the rank that failed first. Functions run in ranks are module-level (pickled by reference)."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import functional_shard as fs
+from functional_shard._failures import first_cause, is_collective_error
+from functional_shard.models import MLP
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` is a live process (a zombie, dead but not yet reaped, is not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def _wait_for_pids(directory: Path, count: int, timeout: float) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        files = [p for p in directory.glob("rank*.pid") if p.read_text().strip()]
+        if len(files) == count:
+            return [int(p.read_text()) for p in files]
+        time.sleep(0.1)
+    raise AssertionError(f"the ranks did not write their pids into {directory} within {timeout} s")
+
+
+def _write_pid(directory: str) -> None:
+    path = Path(directory) / f"rank{os.environ['RANK']}.pid"
+    path.with_suffix(".tmp").write_text(str(os.getpid()))
+    path.with_suffix(".tmp").rename(path)  # whole, or not at all
+
+
+# --- failure kinds and the choice of the cause: no processes ------------------------------------
+
+
+def test_the_cause_is_a_rank_that_died_or_raised_not_a_collective_casualty():
+    killed = fs.Failure.of_exit(-signal.SIGKILL)
+    assert killed.kind is fs.FailureKind.KILLED and killed.signal == signal.SIGKILL
+    assert "killed by signal 9 (SIGKILL)" in killed.message
+    exited = fs.Failure.of_exit(3)
+    assert exited.kind is fs.FailureKind.EXITED and exited.signal is None
+    casualty = fs.Failure(fs.FailureKind.COLLECTIVE, "RuntimeError: Connection closed by peer", "Traceback ...")
+    own = fs.Failure(fs.FailureKind.RAISED, "ValueError: bad batch", "Traceback ...")
+    stopped = fs.Failure(fs.FailureKind.STOPPED, "stopped by the launcher 10 s after rank 1 failed")
+    # The survivor's report arrives first; the killed rank is still the cause.
+    assert first_cause({0: casualty, 1: killed}) == 1
+    assert first_cause({2: stopped, 0: casualty, 1: exited}) == 1
+    # Among ranks with errors of their own, the first to report.
+    assert first_cause({3: own, 1: killed}) == 3
+    assert first_cause({0: casualty, 2: stopped}) == 0
+    error = fs.RankError({0: casualty, 1: killed, 2: stopped})
+    assert error.rank == 1 and error.remote_traceback == ""
+    text = str(error)
+    assert text.startswith("rank 1 failed: process killed by signal 9 (SIGKILL)")
+    assert "\n  rank 0: RuntimeError: Connection closed by peer" in text and "\n  rank 2: stopped" in text
+
+
+def test_gloo_errors_are_recognised_as_collective_failures():
+    gloo = RuntimeError(
+        "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:33666"
+    )
+    assert is_collective_error(gloo)
+    try:
+        try:
+            raise gloo
+        except RuntimeError as inner:
+            raise fs.StepError("the step failed") from inner
+    except fs.StepError as wrapped:
+        assert is_collective_error(wrapped)
+    assert not is_collective_error(ValueError("mesh axes {'fsdp': 3} hold 3 ranks but the world has 4"))
+
+
+def test_world_of_one_leaves_the_environment_alone_and_shutdown_is_idempotent():
+    if dist.is_initialized():
+        pytest.skip("this process already has a default process group")
+    before = dict(os.environ)
+    fs.shutdown()  # no group: nothing to do
+    with fs.init_mesh({"fsdp": 1}) as mesh:
+        assert mesh.world_size == 1
+        assert mesh.all_reduce_flat(torch.ones(3)).tolist() == [1.0, 1.0, 1.0]
+    assert not dist.is_initialized()
+    fs.shutdown()
+    assert dict(os.environ) == before
+
+
+# --- results arrive whatever they hold ----------------------------------------------------------
+
+
+def returns_a_state_dict_and_many_tensors(n_tensors: int):
+    mesh = fs.init_mesh({"fsdp": 2})
+    torch.manual_seed(0)
+    apply_fn, params = fs.functionalize(MLP(5, 8, 3, n_blocks=6))
+    step = fs.sharded_step(
+        lambda p, b: apply_fn(p, b).square().mean(), mesh, optimizer=fs.optim.sgd(lr=0.1), schedule=fs.Schedule(trace=False)
+    )
+    state, _ = step(step.init(params), torch.randn(4, 5))
+    tensors = [torch.full((3,), float(i)) for i in range(n_tensors)]
+    return fs.export(state), tensors
+
+
+def _check_results(launches: int) -> None:
+    for attempt in range(launches):
+        state_dict, tensors = fs.launch(returns_a_state_dict_and_many_tensors, world_size=2, args=(2000,))
+        assert len(state_dict) == 28 and state_dict["blocks.5.fc2.bias"].shape == (8,), f"launch {attempt}"
+        assert len(tensors) == 2000 and all(t[0].item() == i for i, t in enumerate(tensors)), f"launch {attempt}"
+
+
+def test_rank_zero_returns_a_state_dict_and_2000_tensors():
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    _check_results(1)
+    assert {s: signal.getsignal(s) for s in handlers} == handlers, "launch must restore the signal handlers"
+
+
+@pytest.mark.slow
+def test_results_arrive_20_of_20_times():
+    _check_results(20)
+
+
+# --- a pool of ranks -----------------------------------------------------------------------------
+
+
+def environment_variable(name: str) -> str | None:
+    return os.environ.get(name)
+
+
+def test_worker_pool_survives_own_errors_and_ranks_exit_cleanly():
+    pool = fs.WorkerPool(2)
+    try:
+        assert pool.run(environment_variable, ("RANK",)) == ["0", "1"]
+        with pytest.raises(fs.RankError) as info:
+            pool.run(int, ("not a number",))
+        assert set(info.value.failures) == {0, 1}  # both raised; the first to report is named
+        assert all(f.kind is fs.FailureKind.RAISED and "ValueError" in f.message for f in info.value.failures.values())
+        assert not pool.closed  # every rank raised its own error: still in step
+        assert pool.run(environment_variable, ("WORLD_SIZE",)) == ["2", "2"]
+        processes = list(pool._processes)
+        pool.close()  # raises RankError unless every rank exits with code 0
+        assert [p.exitcode for p in processes] == [0, 0] and pool.closed
+    finally:
+        pool.stop()
+
+
+# --- nothing listens beyond loopback ------------------------------------------------------------
+
+
+def _listening_sockets(pid: int) -> list[str]:
+    """`address:port` of every TCP socket that process `pid` listens on."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = []
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/{pid}/net/{table}") as lines:
+            for line in list(lines)[1:]:
+                fields = line.split()
+                local, state, inode = fields[1], fields[3], fields[9]
+                if state == "0A" and inode in inodes:  # 0A: LISTEN
+                    address, port = local.split(":")
+                    raw = bytes.fromhex(address)
+                    # /proc prints each 32-bit word of the address in host (little-endian) order.
+                    words = [raw[i : i + 4][::-1] for i in range(0, len(raw), 4)]
+                    ip = b"".join(words)
+                    text = ".".join(map(str, ip)) if len(ip) == 4 else ip.hex(":", 2)
+                    found.append(f"{text}:{int(port, 16)}")
+    return found
+
+
+def reports_listening_sockets_then_shuts_down():
+    with fs.init_mesh({"fsdp": 2}) as mesh:
+        mesh.all_reduce_flat(torch.ones(4))  # gloo's pairs are connected
+        mine = {f"rank {mesh.rank}": _listening_sockets(os.getpid())}
+        everyone = [None] * mesh.world_size
+        dist.all_gather_object(everyone, mine)
+        everyone.append({"launcher": _listening_sockets(os.getppid())})
+    left_by_with = not dist.is_initialized()
+    fs.shutdown()  # again: nothing to do, and launch's own shutdown after `main` finds no group either
+    fs.shutdown()
+    return everyone, left_by_with
+
+
+def test_a_local_launch_listens_on_loopback_only_and_ranks_may_shut_down_themselves():
+    if not sys.platform.startswith("linux"):
+        pytest.skip("reads /proc")
+    parts, left_by_with = fs.launch(reports_listening_sockets_then_shuts_down, world_size=2)
+    assert left_by_with, "leaving `with fs.init_mesh(...)` must end the process group"
+    sockets = {name: addresses for part in parts for name, addresses in part.items()}
+    assert set(sockets) == {"rank 0", "rank 1", "launcher"}
+    assert sockets["launcher"], "the rendezvous store should listen in the launcher"
+    assert sockets["rank 0"] or sockets["rank 1"], "gloo should listen in the ranks"
+    loopback = ("127.0.0.1:", "0000:0000:0000:0000:0000:0000:0000:0001:", "0000:0000:0000:0000:0000:ffff:7f00:0001:")
+    for name, addresses in sockets.items():
+        assert all(a.startswith(loopback) for a in addresses), f"{name} listens beyond loopback: {addresses}"
+
+
+# --- no rank outlives the launcher --------------------------------------------------------------
+
+_FOREVER = """
+import sys, torch, functional_shard as fs
+sys.path.insert(0, {tests!r})
+from test_launch import _write_pid
+
+def main(directory):
+    mesh = fs.init_mesh({{"fsdp": 2}})
+    _write_pid(directory)
+    while True:
+        mesh.all_reduce_flat(torch.ones(16))
+
+if __name__ == "__main__":
+    try:
+        fs.launch(main, world_size=2, args=({directory!r},))
+    except KeyboardInterrupt:
+        sys.exit(3)
+"""
+
+
+@pytest.mark.parametrize(
+    "signum", [signal.SIGTERM, signal.SIGKILL, pytest.param(signal.SIGINT, marks=pytest.mark.slow)], ids=lambda s: s.name
+)
+def test_killing_the_launcher_leaves_no_rank_alive(tmp_path, signum):
+    script = tmp_path / "forever.py"
+    script.write_text(_FOREVER.format(tests=str(REPO / "tests"), directory=str(tmp_path)))
+    environment = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    launcher = subprocess.Popen([sys.executable, str(script)], env=environment, stderr=subprocess.PIPE)
+    try:
+        ranks = _wait_for_pids(tmp_path, 2, timeout=120)
+        time.sleep(0.5)  # the ranks are in their all-reduce loop
+        assert all(_alive(pid) for pid in ranks)
+        launcher.send_signal(signum)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and any(_alive(pid) for pid in ranks):
+            time.sleep(0.05)
+        assert not [pid for pid in ranks if _alive(pid)], f"ranks alive 5 s after {signum.name} to the launcher"
+        code = launcher.wait(timeout=10)
+        # SIGTERM keeps its meaning (the launcher dies of it), SIGINT its KeyboardInterrupt.
+        assert code == {signal.SIGTERM: -signal.SIGTERM, signal.SIGKILL: -signal.SIGKILL, signal.SIGINT: 3}[signum]
+    finally:
+        launcher.kill()
+        launcher.wait()
+        for pid_file in tmp_path.glob("rank*.pid"):
+            try:
+                os.kill(int(pid_file.read_text()), signal.SIGKILL)
+            except (ProcessLookupError, ValueError):
+                pass
+
+
+# --- a rank killed mid-training is named, and nothing is left ------------------------------------
+
+_COLLECTIVE_TIMEOUT = 10.0
+
+
+def trains_until_killed(directory: str, victim: int, kill_at_step: int, kill_delay: float, trace: bool):
+    """A few sharded steps on a tiny MLP; rank `victim` SIGKILLs itself during step `kill_at_step`."""
+    mesh = fs.init_mesh({"fsdp": 2}, timeout=_COLLECTIVE_TIMEOUT)
+    _write_pid(directory)
+    torch.manual_seed(0)
+    apply_fn, params = fs.functionalize(MLP(5, 8, 3, n_blocks=2))
+
+    def loss_fn(p, batch):
+        x, y = batch
+        return F.cross_entropy(apply_fn(p, x), y)
+
+    step = fs.sharded_step(loss_fn, mesh, optimizer=fs.optim.adamw(lr=1e-2), schedule=fs.Schedule(trace=trace))
+    state = step.init(params)
+    batch = (torch.randn(4, 5), torch.randint(0, 3, (4,)))
+    if mesh.rank == victim:
+        def kill() -> None:
+            Path(directory, "killed_at").write_text(repr(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        timer = None
+    for index in range(kill_at_step + 1000):
+        if mesh.rank == victim and index == kill_at_step:
+            timer = threading.Timer(kill_delay, kill)  # lands anywhere: in a collective, in compute
+            timer.start()
+        state, _ = step(state, batch)
+    return "never reached: the victim dies first"
+
+
+def _inject_fault(tmp_path: Path, seed: int, trace: bool) -> float:
+    """One launch in which a random rank is killed at a random moment; returns the seconds from
+    the kill until the launcher had raised and every rank was gone."""
+    chance = random.Random(seed)
+    victim, kill_at_step, delay = chance.randrange(2), chance.randrange(4), chance.uniform(0.0, 0.05)
+    directory = tmp_path / f"run{seed}"
+    directory.mkdir()
+    with pytest.raises(fs.RankError) as info:
+        fs.launch(trains_until_killed, world_size=2, args=(str(directory), victim, kill_at_step, delay, trace), grace=30.0)
+    ended = time.time()
+    error = info.value
+    assert error.rank == victim, f"seed {seed}: blamed rank {error.rank}, killed {victim}: {error}"
+    assert error.failures[victim].kind is fs.FailureKind.KILLED and error.failures[victim].signal == signal.SIGKILL
+    assert "rank %d failed: process killed by signal 9 (SIGKILL)" % victim in str(error)
+    pids = [int(p.read_text()) for p in directory.glob("rank*.pid")]
+    assert len(pids) == 2 and not [pid for pid in pids if _alive(pid)]
+    taken = ended - float((directory / "killed_at").read_text())
+    assert taken < _COLLECTIVE_TIMEOUT + 5, f"seed {seed}: {taken:.1f} s from the kill to the end"
+    return taken
+
+
+def test_a_rank_killed_mid_training_is_named(tmp_path):
+    _inject_fault(tmp_path, seed=int(time.time()) % 1000, trace=False)
+
+
+@pytest.mark.slow
+def test_a_rank_killed_mid_training_is_named_20_of_20(tmp_path):
+    base = int(time.time()) % 10_000
+    taken = [_inject_fault(tmp_path, seed=base + i, trace=i % 2 == 0) for i in range(20)]
+    print(f"kill -> all gone: max {max(taken):.2f} s, mean {sum(taken) / len(taken):.2f} s (seeds {base}..{base + 19})")
