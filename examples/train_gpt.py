@@ -132,8 +132,9 @@ if __name__ == "__main__":
         # torchrun started this process as one rank: run it here, the world size is torchrun's.
         config = replace(config, world_size=int(os.environ["WORLD_SIZE"]))
         result = main(config)
-        # fs.launch tears the process group down itself; under torchrun that is the script's job.
-        torch.distributed.destroy_process_group()
+        # fs.launch tears the process group down itself; under torchrun that is the script's job
+        # (a barrier first, so that no rank exits while another's last collective is in flight).
+        fs.shutdown()
         if int(os.environ["RANK"]) == 0:
             report(result)
     else:

@@ -431,10 +431,6 @@ class SimulatedMesh(BaseMesh):
         return torch.cat(self._rendezvous.exchange(self.rank, x))
 
 
-# The name this class had before it was public (kept for code written against it).
-_MeshBase = BaseMesh
-
-
 def _coordinates(mesh: BaseMesh, rank: int) -> dict[str, int]:
     """`rank`'s index along every axis of `mesh` (row-major, the last axis varies fastest)."""
     out, rest = {}, rank

@@ -24,7 +24,7 @@ import inspect
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Protocol, Union
 
 if TYPE_CHECKING:  # annotations only: the mesh's class is the core's business
-    from .._mesh import _MeshBase
+    from .._mesh import BaseMesh
 
 __all__ = [
     "Params",
@@ -69,7 +69,7 @@ class UpdateFn(Protocol):
     """`update(grads, state, params, *, mesh=None) -> (new_params, new_state)`."""
 
     def __call__(
-        self, grads: Grads, state: OptState, params: Params, /, *, mesh: Optional[_MeshBase] = None
+        self, grads: Grads, state: OptState, params: Params, /, *, mesh: Optional[BaseMesh] = None
     ) -> tuple[Params, OptState]: ...
 
 
@@ -90,7 +90,7 @@ class ApplyFn(Protocol):
         /,
         *,
         inplace: bool = False,
-        mesh: Optional[_MeshBase] = None,
+        mesh: Optional[BaseMesh] = None,
     ) -> tuple[Any, OptState]: ...
 
 
@@ -187,7 +187,7 @@ def make_transformation(init: InitFn, scalars: ScalarsFn, apply: ApplyFn) -> Gra
 def _update_of(scalars: ScalarsFn, apply: ApplyFn) -> UpdateFn:
     _check_apply_signature(apply)
 
-    def update(grads: Grads, state: OptState, params: Params, *, mesh: Optional[_MeshBase] = None):
+    def update(grads: Grads, state: OptState, params: Params, *, mesh: Optional[BaseMesh] = None):
         return apply(grads, state, params, scalars(state), mesh=mesh)
 
     return update

@@ -22,12 +22,12 @@ import torch
 from .._shard import all_reduce
 
 if TYPE_CHECKING:  # annotations only: the mesh's class is the core's business
-    from .._mesh import _MeshBase
+    from .._mesh import BaseMesh
 
 __all__ = ["global_sum", "global_norm"]
 
 
-def global_sum(x: Any, mesh: Optional[_MeshBase]) -> Any:
+def global_sum(x: Any, mesh: Optional[BaseMesh]) -> Any:
     """The sum of a per-rank partial value over the ranks holding distinct shards.
 
     Call it inside an `apply` with the `mesh` the step passed in. Every rank of the mesh
@@ -49,7 +49,7 @@ def global_sum(x: Any, mesh: Optional[_MeshBase]) -> Any:
     return all_reduce(x, mesh, axes=(mesh.shard_axis,))
 
 
-def global_norm(tree: Any, mesh: Optional[_MeshBase]) -> torch.Tensor:
+def global_norm(tree: Any, mesh: Optional[BaseMesh]) -> torch.Tensor:
     """The 2-norm of all the tensors of a sharded pytree, as one vector (the whole model).
 
     What `torch.nn.utils.clip_grad_norm_` computes as its total norm, up to rounding:
