@@ -109,7 +109,8 @@ def full_optimizer_state(state) -> dict[str, torch.Tensor]:
 def full_state(state) -> dict[str, torch.Tensor]:
     """Every tensor of a state, whole, by checkpoint name (a collective)."""
     params = {f"params/{k}": v for k, v in fs.gather(state.params).items()}
-    return {**{k: v.detach().clone() for k, v in params.items()}, **full_optimizer_state(state)}
+    own = {"state/rng": state.rng.clone()}
+    return {**{k: v.detach().clone() for k, v in params.items()}, **full_optimizer_state(state), **own}
 
 
 # --- what the ranks run (module level: pickled by reference into the rank processes) --------

@@ -167,9 +167,18 @@ def optimizer_key(slot_path: str, leaf_path: str | None = None) -> str:
     return _join("opt", slot_path, leaf_path or "")
 
 
-def entries_of(layout: Layout, slots: list[OptimizerSlot]) -> list[Entry]:
+def step_tensors(state: Any) -> list[tuple[str, torch.Tensor]]:
+    """The step state's own tensors, stored whole: the RNG seed and the loss scale's state."""
+    out = [("state/rng", state.rng)]
+    if state.loss_scale is not None:
+        out += [(f"state/loss_scale/{name}", value) for name, value in state.loss_scale._asdict().items()]
+    return out
+
+
+def entries_of(layout: Layout, slots: list[OptimizerSlot], extras: list[tuple[str, torch.Tensor]] = ()) -> list[Entry]:
     """Every logical tensor of a state with this layout and optimizer state, in a fixed order:
-    model leaves (flatten order), then optimizer slots, each parameter-like one by leaf."""
+    model leaves (flatten order), then optimizer slots, each parameter-like one by leaf, then
+    the step's own tensors (`step_tensors`)."""
     local = set(layout.local)
     out = [
         Entry(model_key(layout, i), tuple(layout.shapes[i]), layout.dtypes[i], i not in local)
@@ -184,6 +193,7 @@ def entries_of(layout: Layout, slots: list[OptimizerSlot]) -> list[Entry]:
                         out.append(Entry(key, tuple(layout.shapes[i]), slot.value[spec.name].dtype, True))
         else:
             out.append(Entry(optimizer_key(slot.path), tuple(slot.value.shape), slot.value.dtype, False))
+    out += [Entry(key, tuple(value.shape), value.dtype, False) for key, value in extras]
     seen: set[str] = set()
     for entry in out:
         if entry.key in seen:

@@ -20,6 +20,7 @@ from ._format import (
     optimizer_key,
     optimizer_slots,
     shard_pieces,
+    step_tensors,
 )
 
 __all__ = ["load", "read"]
@@ -72,7 +73,8 @@ def _load_here(path: str, template: StepState) -> StepState:
     sharded = template.params
     layout, mesh = sharded.layout, sharded.mesh
     slots, structure = optimizer_slots(template.opt_state, layout)
-    expected = entries_of(layout, slots)
+    extras = step_tensors(template)
+    expected = entries_of(layout, slots, extras)
     index = open_index(path)
     with ChunkReader(path, index) as reader:
         saved = [entry for entry, _ in reader.entries.values()]
@@ -107,8 +109,18 @@ def _load_here(path: str, template: StepState) -> StepState:
                 )
             else:
                 leaves.append(reader.read(optimizer_key(slot.path)).to(slot.value.device))
+        own = {key: reader.read(key).to(value.device) for key, value in extras}
     opt_state = structure.unflatten(leaves)
-    return template.replace(params=sharded.replace(shards=shards, local=local), opt_state=opt_state, step=step)
+    loss_scale = template.loss_scale
+    if loss_scale is not None:
+        loss_scale = type(loss_scale)(**{name: own[f"state/loss_scale/{name}"] for name in loss_scale._fields})
+    return template.replace(
+        params=sharded.replace(shards=shards, local=local),
+        opt_state=opt_state,
+        loss_scale=loss_scale,
+        rng=own["state/rng"],
+        step=step,
+    )
 
 
 def _read_shard(reader: ChunkReader, layout: Layout, spec: BufferSpec, shard_index: int, key_of, dtype, device) -> torch.Tensor:

@@ -29,6 +29,7 @@ from ._format import (
     optimizer_slots,
     rank_file,
     shard_pieces,
+    step_tensors,
 )
 
 __all__ = ["save"]
@@ -162,6 +163,7 @@ def _whole(state: StepState, slots: list[OptimizerSlot]) -> Iterator[tuple[str, 
     for slot in slots:
         if not slot.param_like:
             yield optimizer_key(slot.path), slot.value
+    yield from step_tensors(state)
 
 
 def _rank_tensors(state: StepState, slots: list[OptimizerSlot], shard_index: int, whole: bool) -> dict[str, torch.Tensor]:
@@ -183,7 +185,7 @@ def _index(state: StepState, slots: list[OptimizerSlot], structure: str, writers
     import functional_shard
 
     layout, mesh = state.params.layout, state.params.mesh
-    entries = entries_of(layout, slots)
+    entries = entries_of(layout, slots, step_tensors(state))
     chunks: dict[str, list[list]] = {entry.key: [] for entry in entries}
     for shard_index in range(layout.num_shards):
         file = rank_file(writers[shard_index])
