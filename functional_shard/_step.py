@@ -126,7 +126,7 @@ class ShardedStep:
 
     # --- init -----------------------------------------------------------------------------
 
-    def init(self, params: Any, *, values: str = "check") -> StepState:
+    def init(self, params: Any, *, values: str = "check", initialize: Any = None) -> StepState:
         """Shard `params` over the mesh and build the optimizer state for the trainable shards.
 
         Arguments:
@@ -138,7 +138,12 @@ class ShardedStep:
                 a hash of every buffer's values across ranks and raise `MeshError` naming the
                 ranks and the first buffer that differ (ranks seeded differently would
                 otherwise train a silent mixture). `"broadcast"`: take rank 0's values, as DDP
-                does. `"trust"`: neither (no extra collective).
+                does. `"trust"`: neither (no extra collective). Not used with `initialize`.
+            initialize: an `fs.initialize.Initializer` (`fs.initialize.from_module(model, seed=0)`,
+                `fs.initialize.from_function(fn)`, `fs.checkpoint.from_safetensors(path)`): make
+                each rank's shards leaf by leaf instead of slicing `params`, whose leaves may then
+                be on the meta device (only their paths, shapes and dtypes are read). Peak memory:
+                the shards plus one leaf's owner; see `fs.initialize`.
 
         A collective: every rank must call it. Ranks whose pytrees differ (paths, shapes,
         dtypes) raise `MeshError` naming them, instead of exchanging mismatched buffers. The
@@ -147,11 +152,16 @@ class ShardedStep:
         if values not in ("check", "broadcast", "trust"):
             raise ValueError(f"init(values=...) must be 'check', 'broadcast' or 'trust'; got {values!r}")
         layout, leaves = make_layout(params, self.mesh.num_shards, units=self.units)
-        _check_leaves(layout, leaves, self.mesh)
+        _check_leaves(layout, leaves, self.mesh, meta_ok=initialize is not None)
         self.mesh.agree("step.init")
         self.mesh.check_same("the parameter pytree (paths, shapes, dtypes, units)", layout.signature())
         with torch.no_grad():
             leaves = [leaf.detach() for leaf in leaves]
+            if initialize is not None:
+                from .initialize import shard_from
+
+                sharded = shard_from(initialize, layout, leaves, self.mesh)
+                return StepState(sharded, self.optimizer.init(_trainable(sharded)), 0, self._key)
             if values == "broadcast":
                 leaves = _broadcast_from_rank0(layout, leaves, self.mesh)
             elif values == "check":
@@ -282,14 +292,15 @@ class ShardedStep:
         return self._jit.last
 
 
-def _check_leaves(layout: Layout, leaves: list, mesh: BaseMesh) -> None:
+def _check_leaves(layout: Layout, leaves: list, mesh: BaseMesh, meta_ok: bool = False) -> None:
     """Refuse leaves a step cannot train, naming them (before any collective)."""
     for i, leaf in enumerate(leaves):
         where = f"{layout.describe_leaf(i)} on rank {mesh.rank}"
-        if leaf.is_meta:
+        if leaf.is_meta and not meta_ok:
             raise StepError(
-                f"{where} is on the meta device: it has no values to shard. Materialize the model first "
-                f"(e.g. model.to_empty(device='cpu') then its own initialization)"
+                f"{where} is on the meta device: it has no values to shard. Pass an initializer, "
+                f"step.init(params, initialize=fs.initialize.from_module(model, seed=0)), which materializes "
+                f"one submodule at a time and keeps this rank's slice"
             )
         if leaf.is_complex() and layout.roles[i] != FROZEN:
             raise StepError(
