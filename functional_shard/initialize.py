@@ -89,7 +89,9 @@ class LeafSource:
         pass
 
 
-def shard_from(initialize: Initializer, layout: Layout, leaves: list[torch.Tensor], mesh: BaseMesh) -> Sharded:
+def shard_from(
+    initialize: Initializer, layout: Layout, leaves: list[torch.Tensor], mesh: BaseMesh, *, operation: str = OPERATION
+) -> Sharded:
     """This rank's `Sharded` for `layout`, made by `initialize` one leaf at a time (what
     `step.init(params, initialize=...)` runs). Raises on every rank if any rank fails (the
     first error here, `InitError` naming the ranks elsewhere); no collective runs in between."""
@@ -119,7 +121,7 @@ def shard_from(initialize: Initializer, layout: Layout, leaves: list[torch.Tenso
         sharded = Sharded(layout, mesh, shards, local)
     except Exception as e:  # noqa: BLE001 (the other ranks must learn of it)
         error = e
-    flags = mesh.agree(OPERATION, 0 if error else 1)
+    flags = mesh.agree(operation, 0 if error else 1)
     if error is not None:
         raise error
     failed = [r for r, ok in enumerate(flags) if not ok]
