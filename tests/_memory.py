@@ -13,12 +13,13 @@ class AliveBytes(TorchDispatchMode):
     """The most bytes of storages made by ops under this mode that were alive at once.
 
     After every op, each output's storage (once, however many views) is recorded with a weak
-    reference; storages that died since are dropped, the rest summed. Storages that existed
-    before the mode (this rank's shards, say) are not counted unless an op returns them."""
+    reference; storages that died since are dropped, the rest summed. The storages of
+    `existing` (this rank's shards, say) are never counted, even when an op returns them."""
 
-    def __init__(self):
+    def __init__(self, existing=()):
         super().__init__()
         self.alive: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.existing = {t.untyped_storage()._cdata for t in existing}
         self.peak = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -26,6 +27,8 @@ class AliveBytes(TorchDispatchMode):
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and not t.is_meta:
                 storage = t.untyped_storage()
+                if storage._cdata in self.existing:
+                    continue
                 self.alive.setdefault(storage._cdata, (StorageWeakRef(storage), storage.nbytes()))
         self.alive = {k: v for k, v in self.alive.items() if not v[0].expired()}
         self.peak = max(self.peak, sum(n for _, n in self.alive.values()))
