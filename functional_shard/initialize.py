@@ -294,7 +294,7 @@ class _ModuleSource(LeafSource):
             sub._buffers.update(saved_buffers)
 
 
-def _has_nan(t: torch.Tensor, chunk: int = 1 << 20) -> bool:
+def _has_nan(t: torch.Tensor, chunk: int = 1 << 16) -> bool:
     """Whether a float tensor holds a NaN (in chunks: no leaf-sized temporary)."""
     if not (t.is_floating_point() or t.is_complex()):
         return False
