@@ -220,7 +220,7 @@ class _Writer:
         assert self.file.tell() == self.base + record.start, "tensors must be written in offset order"
         if record.nbytes:
             # A uint8 view through numpy: the bytes go to the file without another copy of the leaf.
-            data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+            data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
             self.file.write(memoryview(data))
 
     def write_buffer(self, k: int, leaf_indices: tuple[int, ...], leaves: list[torch.Tensor]) -> None:
