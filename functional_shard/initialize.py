@@ -29,7 +29,7 @@ from __future__ import annotations
 import hashlib
 import math
 import threading
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 from torch import nn
@@ -191,7 +191,7 @@ def reference(module: nn.Module, *, seed: int = 0, init: ModuleInit | None = Non
     made the same way (load them with `model.load_state_dict(params.state_dict(), assign=True)`)."""
     _, params = functionalize(module)
     leaves, treedef = tree_flatten(params)
-    layout = _PathsOnly(tuple(tree_paths(params)), params)
+    layout = _PathsOnly(tuple(tree_paths(params)))
     source = from_module(module, seed=seed, init=init).open(layout, leaves)
     try:
         made = [source.whole(i) for i in range(len(leaves))]
@@ -201,11 +201,10 @@ def reference(module: nn.Module, *, seed: int = 0, init: ModuleInit | None = Non
 
 
 class _PathsOnly:
-    """The part of a `Layout` that `_FromModule.open` reads (paths, and the tree for names)."""
+    """The part of a `Layout` that `_FromModule.open` and its source read."""
 
-    def __init__(self, paths: tuple[str, ...], tree: Any):
+    def __init__(self, paths: tuple[str, ...]):
         self.paths = paths
-        self.tree = tree
 
     def describe_leaf(self, i: int) -> str:
         return f"leaf {self.paths[i]!r}"
