@@ -9,6 +9,7 @@
 
 from . import optim as optim
 from . import checkpoint as checkpoint
+from . import initialize as initialize
 from . import testing as testing
 from ._export import export as export
 from ._functionalize import functionalize as functionalize
@@ -90,6 +91,7 @@ __all__ = [
     "functionalize",
     "gather",
     "init_mesh",
+    "initialize",
     "keep_freed_memory",
     "launch",
     "make_layout",

@@ -1,34 +1,248 @@
-"""Export: the full, unsharded parameters of a sharded state, e.g. for `model.load_state_dict`."""
+"""Export: the full, unsharded parameters of a sharded state, in memory or streamed to a file.
+
+    full = fs.export(state)                              # every rank: the whole state dict (small models)
+    fs.export(state, "out/model.safetensors")            # every rank; rank 0 writes, one unit at a time
+
+The streamed export never holds more than this rank's shards plus one flat buffer gathered
+whole: the ranks all-gather the buffers one by one, and rank 0 writes each buffer's leaves to
+the file (as raw bytes at offsets fixed in advance by the safetensors header) before the next
+is gathered. The file is a plain safetensors file with state-dict names, which
+`model.load_state_dict(safetensors.torch.load_file(path), strict=True)` and Hugging Face
+`from_pretrained(directory)` read.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import json
+import os
+import struct
+from pathlib import Path
+from typing import Any, Iterator, NamedTuple
 
+import optree
 import torch
 
-from ._shard import Sharded, gather
+from ._collectives import gather_bytes
+from ._layout import Layout
+from ._pytree import NAMESPACE, path_string, tree_map
+from ._shard import Sharded, _check_shards, gather
 from ._step import StepState
-from ._pytree import tree_map
 from ._tree import ModuleParams
 
-__all__ = ["export"]
+__all__ = ["export", "state_dict_names", "ExportError"]
+
+OPERATION = "fs.export"  # the name every rank states on entering (`BaseMesh.agree`)
+
+# torch dtype -> safetensors dtype name (the format's own list).
+SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.uint16: "U16",
+    torch.uint32: "U32",
+    torch.uint64: "U64",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+}
 
 
-def export(state: StepState | Sharded) -> Any:
-    """The full, unsharded parameters of a step state (or a `Sharded`), on every rank.
+class ExportError(RuntimeError):
+    """A state that cannot be exported to the file asked for."""
 
-    For parameters from `fs.functionalize`, a state dict for `model.load_state_dict(...,
-    strict=True)`: every parameter and persistent buffer under every name the module's state
-    dict uses (tied names included); buffers are this rank's. Otherwise the full pytree.
-    A collective: every rank must call it. The tensors are fresh copies.
+
+def state_dict_names(layout: Layout) -> list[tuple[str, ...]]:
+    """For every leaf of `layout` (flatten order), the names under which a state dict holds it.
+
+    A leaf of a `ModuleParams` is named by its path (the parameter's first name), followed by
+    its aliases (tied weights: `head.weight` for `tok_emb.weight`); a non-persistent buffer has
+    no name (a module's `state_dict()` leaves it out). Any other leaf is named by its path.
+    A `ModuleParams` nested in a larger tree prefixes its names with its own path.
+    """
+    names: list[list[str]] = [[p] for p in layout.paths]
+    indices = optree.tree_unflatten(layout.treedef, list(range(len(layout.paths))))
+    is_module_params = lambda x: isinstance(x, ModuleParams)  # noqa: E731
+    paths, nodes, _ = optree.tree_flatten_with_path(indices, is_leaf=is_module_params, none_is_leaf=False, namespace=NAMESPACE)
+    for path, node in zip(paths, nodes):
+        if not isinstance(node, ModuleParams):
+            continue
+        prefix = path_string(path) + "." if path else ""
+        for alias, name in node.aliases:
+            if name in node:
+                names[node[name]].append(prefix + alias)
+        for name in node.non_persistent:
+            if name in node:
+                names[node[name]] = []
+    return [tuple(n) for n in names]
+
+
+def export(state: StepState | Sharded, path: str | os.PathLike | None = None, *, aliases: bool = True) -> Any:
+    """The full, unsharded parameters of a step state (or a `Sharded`); a collective.
+
+    Arguments:
+        state: a `StepState` (or its `params`, a `Sharded`), this rank's part.
+        path: where to write a safetensors file (the same on every rank; rank 0 writes it). None:
+            return the full parameters on every rank instead.
+        aliases: with `path`, also store each tied weight under its aliases (a copy of the bytes
+            per alias, as safetensors cannot share storage): `load_state_dict(strict=True)`
+            then reads the file. False stores each tensor once, under its first name, as
+            transformers' `save_pretrained` does (`from_pretrained` re-ties).
+
+    Without `path`: for parameters from `fs.functionalize`, a state dict for
+    `model.load_state_dict(..., strict=True)` (every parameter and persistent buffer under every
+    name the module's state dict uses, tied names included; buffers are this rank's); otherwise
+    the full pytree. Every rank holds the whole model at once: for small models.
+
+    With `path`: streams. The ranks all-gather one flat buffer at a time; rank 0 writes its
+    leaves at their place in the file and drops it before the next is gathered, so no rank holds
+    more than its shards plus one buffer gathered whole (at most one unit's parameters). Names
+    are the state dict's (as above; non-persistent buffers left out), module buffers rank 0's.
+    The file is written to `<path>.partial` and renamed at the end: `path` holds either the
+    complete file or what it held before. Returns None on every rank once the file is in
+    place, or raises `ExportError` on every rank (e.g. a dtype safetensors cannot store,
+    named with its leaf, before anything is gathered).
     """
     sharded = state.params if isinstance(state, StepState) else state
     if not isinstance(sharded, Sharded):
         raise TypeError(f"export expects a StepState or a Sharded; got {type(state).__name__}")
-    sharded.mesh.agree("fs.export")
+    mesh = sharded.mesh
+    mesh.agree(OPERATION)
+    if path is None:
+        with torch.no_grad():
+            tree = tree_map(lambda t: t.detach().clone(), gather(sharded))
+        return tree.state_dict() if isinstance(tree, ModuleParams) else tree
+    _check_shards(sharded)
+    path = Path(os.path.abspath(path))
+    header = FileHeader.of(sharded, aliases)  # the same on every rank: raises on every rank alike
+    mesh.check_same("the export's path and contents", f"{path}|{sharded.layout.signature()}")
+    writer, error = None, None
+    if mesh.rank == 0:
+        try:
+            writer = _Writer(path, header)
+        except Exception as e:  # noqa: BLE001 (the others must learn of it: they gather regardless)
+            error = e
     with torch.no_grad():
-        tree = tree_map(lambda t: t.detach().clone(), gather(sharded))
-    if isinstance(tree, ModuleParams):
-        return tree.state_dict()
-    return tree
+        for k, spec in enumerate(sharded.layout.buffers):
+            full = gather_bytes(sharded.shards[k], mesh, spec)
+            if writer is not None:
+                try:
+                    writer.write_buffer(k, spec.leaves, sharded.layout.unflatten_buffer(spec, full))
+                except Exception as e:  # noqa: BLE001 (keep gathering with the others, then report)
+                    writer.abandon()
+                    writer, error = None, e
+            del full
+        if writer is not None:
+            try:
+                writer.write_local(sharded.layout.local, sharded.local)
+                writer.commit()
+            except Exception as e:  # noqa: BLE001
+                writer.abandon()
+                error = e
+    ok = mesh.agree(OPERATION, 0 if error else 1)[0]
+    if error is not None:
+        raise error
+    if not ok:
+        raise ExportError(f"rank 0 could not write {path} (see its error); nothing was written")
+    return None
 
+
+class Record(NamedTuple):
+    """One tensor of the file."""
+
+    name: str  # its state-dict name
+    leaf: int  # the leaf it holds (layout flatten order)
+    start: int  # byte offset in the data section
+    nbytes: int
+
+
+class FileHeader(NamedTuple):
+    """The safetensors header of an export, and the order the tensors are written in."""
+
+    header: bytes  # 8-byte length + JSON, padded with spaces to a multiple of 8
+    buffers: tuple[tuple[Record, ...], ...]  # per flat buffer (layout order): its leaves' records
+    local: tuple[Record, ...]  # module buffers (persistent ones), written last
+
+    @staticmethod
+    def of(sharded: Sharded, aliases: bool) -> "FileHeader":
+        layout = sharded.layout
+        names = state_dict_names(layout)
+        entries: dict[str, dict] = {}
+        offset = 0
+
+        def records(i: int) -> Iterator[Record]:
+            nonlocal offset
+            dtype = layout.dtypes[i]
+            if dtype not in SAFETENSORS_DTYPES:
+                raise ExportError(
+                    f"{layout.describe_leaf(i)}: safetensors cannot store {dtype}; cast it (or leave it out of "
+                    f"the exported tree) and export again"
+                )
+            numel = 1
+            for d in layout.shapes[i]:
+                numel *= d
+            for name in names[i][: None if aliases else 1]:
+                nbytes = numel * dtype.itemsize
+                entries[name] = {
+                    "dtype": SAFETENSORS_DTYPES[dtype],
+                    "shape": list(layout.shapes[i]),
+                    "data_offsets": [offset, offset + nbytes],
+                }
+                yield Record(name, i, offset, nbytes)
+                offset += nbytes
+
+        buffers = tuple(tuple(r for i in spec.leaves for r in records(i)) for spec in layout.buffers)
+        local = tuple(r for i in layout.local for r in records(i))
+        metadata = {"format": "pt", "written_by": "functional_shard.export"}
+        text = json.dumps({"__metadata__": metadata, **entries}, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)
+        return FileHeader(struct.pack("<Q", len(text)) + text, buffers, local)
+
+
+class _Writer:
+    """Rank 0's file: the header first, then each tensor's bytes in offset order."""
+
+    def __init__(self, path: Path, header: FileHeader):
+        self.path = path
+        self.header = header
+        self.tmp = path.with_name(path.name + ".partial")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = open(self.tmp, "wb")
+        self.file.write(header.header)
+        self.base = len(header.header)
+
+    def _write(self, record: Record, tensor: torch.Tensor) -> None:
+        assert self.file.tell() == self.base + record.start, "tensors must be written in offset order"
+        if record.nbytes:
+            # A uint8 view through numpy: the bytes go to the file without another copy of the leaf.
+            data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+            self.file.write(memoryview(data))
+
+    def write_buffer(self, k: int, leaf_indices: tuple[int, ...], leaves: list[torch.Tensor]) -> None:
+        """Buffer `k`'s leaves (`leaf_indices`, its `spec.leaves`), gathered whole."""
+        by_leaf = dict(zip(leaf_indices, leaves))
+        for record in self.header.buffers[k]:
+            self._write(record, by_leaf[record.leaf])
+
+    def write_local(self, leaf_indices: tuple[int, ...], local: tuple) -> None:
+        """The module buffers (`layout.local`, this rank's values)."""
+        by_leaf = dict(zip(leaf_indices, local))
+        for record in self.header.local:
+            self._write(record, by_leaf[record.leaf])
+
+    def commit(self) -> None:
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.file.close()
+        os.replace(self.tmp, self.path)
+
+    def abandon(self) -> None:
+        try:
+            self.file.close()
+        finally:
+            self.tmp.unlink(missing_ok=True)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-import torch
 from torch import nn
 from torch.func import functional_call
 

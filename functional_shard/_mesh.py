@@ -52,7 +52,16 @@ class PeerError(MeshError):
 
 
 # The collective operations of the library, by the names `BaseMesh.agree` reports.
-OPERATIONS = ("a training step", "step.init", "step.grad", "step.evaluate", "fs.export", "fs.checkpoint.save", "fs.checkpoint.load")
+OPERATIONS = (
+    "a training step",
+    "step.init",
+    "step.grad",
+    "step.evaluate",
+    "fs.export",
+    "fs.checkpoint.save",
+    "fs.checkpoint.load",
+    "fs.checkpoint.load_full",
+)
 
 
 def _digest(text: str) -> int:

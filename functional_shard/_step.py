@@ -20,12 +20,13 @@ import contextlib
 from . import _reference
 from ._jit import Jit
 from ._layout import Layout, UnitPolicy, make_layout
-from ._mesh import BaseMesh, MeshError
+from ._mesh import BaseMesh
 from ._pytree import pytree_dataclass, static_field
+from ._checks import broadcast_from_rank0, check_leaves, check_same_values
 from ._reference import StepError, StepFunction
+from .initialize import shard_from
 from .precision import Precision
 from ._shard import Sharded, _check_shards, shard_leaves
-from ._tree import FROZEN
 from .optim import Optimizer
 from .schedule import Schedule
 
@@ -153,7 +154,7 @@ class ShardedStep:
 
     # --- init -----------------------------------------------------------------------------
 
-    def init(self, params: Any, *, seed: int = 0, values: str = "check") -> StepState:
+    def init(self, params: Any, *, seed: int = 0, values: str = "check", initialize: Any = None) -> StepState:
         """Shard `params` over the mesh and build the optimizer state for the trainable shards.
 
         Arguments:
@@ -167,7 +168,12 @@ class ShardedStep:
                 a hash of every buffer's values across ranks and raise `MeshError` naming the
                 ranks and the first buffer that differ (ranks seeded differently would
                 otherwise train a silent mixture). `"broadcast"`: take rank 0's values, as DDP
-                does. `"trust"`: neither (no extra collective).
+                does. `"trust"`: neither (no extra collective). Not used with `initialize`.
+            initialize: an `fs.initialize.Initializer` (`fs.initialize.from_module(model, seed=0)`,
+                `fs.initialize.from_function(fn)`, `fs.checkpoint.from_safetensors(path)`): make
+                each rank's shards leaf by leaf instead of slicing `params`, whose leaves may then
+                be on the meta device (only their paths, shapes and dtypes are read). Peak memory:
+                the shards plus one leaf's owner; see `fs.initialize`.
 
         A collective: every rank must call it. Ranks whose pytrees differ (paths, shapes,
         dtypes) raise `MeshError` naming them, instead of exchanging mismatched buffers. The
@@ -178,16 +184,19 @@ class ShardedStep:
         if not isinstance(seed, int) or isinstance(seed, bool):
             raise ValueError(f"init(seed=...) must be an int; got {seed!r}")
         layout, leaves = make_layout(params, self.mesh.num_shards, units=self.units, precision=self.precision)
-        _check_leaves(layout, leaves, self.mesh)
+        check_leaves(layout, leaves, self.mesh, meta_ok=initialize is not None)
         self.mesh.agree("step.init")
         self.mesh.check_same("the parameter pytree (paths, shapes, dtypes, units)", layout.signature())
         with torch.no_grad():
             leaves = [leaf.detach() for leaf in leaves]
-            if values == "broadcast":
-                leaves = _broadcast_from_rank0(layout, leaves, self.mesh)
-            elif values == "check":
-                _check_same_values(layout, leaves, self.mesh)
-            sharded = shard_leaves(layout, leaves, self.mesh)
+            if initialize is not None:
+                sharded = shard_from(initialize, layout, leaves, self.mesh)
+            else:
+                if values == "broadcast":
+                    leaves = broadcast_from_rank0(layout, leaves, self.mesh)
+                elif values == "check":
+                    check_same_values(layout, leaves, self.mesh)
+                sharded = shard_leaves(layout, leaves, self.mesh)
             opt_state = self.optimizer.init(_trainable(sharded))
         loss_scale = self._fn.loss_scale.init() if self._fn.loss_scale is not None else None
         return StepState(sharded, opt_state, loss_scale, torch.tensor(seed, dtype=torch.int64), 0, self._key)
@@ -364,64 +373,6 @@ class ShardedStep:
         if self._jit.last is None:
             raise StepError("no traced step has run yet: call the step once (schedule.trace must be True)")
         return self._jit.last
-
-
-def _check_leaves(layout: Layout, leaves: list, mesh: BaseMesh) -> None:
-    """Refuse leaves a step cannot train, naming them (before any collective)."""
-    for i, leaf in enumerate(leaves):
-        where = f"{layout.describe_leaf(i)} on rank {mesh.rank}"
-        if leaf.is_meta:
-            raise StepError(
-                f"{where} is on the meta device: it has no values to shard. Materialize the model first "
-                f"(e.g. model.to_empty(device='cpu') then its own initialization)"
-            )
-        if leaf.is_complex() and layout.roles[i] != FROZEN:
-            raise StepError(
-                f"{where} is complex: a sharded step does not train complex parameters (they would be "
-                f"frozen silently). Store it as torch.view_as_real(...) and view it back in loss_fn, or "
-                f"mark it frozen (requires_grad=False)"
-            )
-
-
-def _buffer_digests(layout: Layout, leaves: list) -> list[int]:
-    digests = []
-    for spec in layout.buffers:
-        h = hashlib.blake2b(digest_size=8)
-        for i in spec.leaves:
-            h.update(leaves[i].detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-        digests.append(int.from_bytes(h.digest(), "little") >> 1)
-    return digests
-
-
-def _check_same_values(layout: Layout, leaves: list, mesh: BaseMesh) -> None:
-    """One all-gather of a 63-bit hash per buffer; raise on every rank if they differ."""
-    if mesh.world_size == 1 or not layout.buffers:
-        return
-    mine = torch.tensor(_buffer_digests(layout, [t.cpu() for t in leaves]), dtype=torch.int64)
-    everyone = mesh.all_gather_world(mine.to(getattr(mesh, "device", "cpu"))).view(mesh.world_size, -1).cpu()
-    differ = (everyone != everyone[0]).any(dim=0)
-    if bool(differ.any()):
-        k = int(differ.nonzero()[0])
-        spec = layout.buffers[k]
-        ranks = [r for r in range(mesh.world_size) if everyone[r, k] != everyone[0, k]]
-        raise MeshError(
-            f"ranks {ranks} hold parameter values that differ from rank 0's, first in buffer {spec.name!r} "
-            f"({layout.describe_leaf(spec.leaves[0])}, ...): every rank must start from the same parameters "
-            f"(seed the model the same way everywhere), or pass step.init(params, values='broadcast') to take "
-            f"rank 0's, as DDP does"
-        )
-
-
-def _broadcast_from_rank0(layout: Layout, leaves: list, mesh: BaseMesh) -> list:
-    """Every sharded leaf replaced by rank 0's values (one all-gather per buffer; rank 0's part kept)."""
-    leaves = list(leaves)
-    for spec in layout.buffers:
-        # As raw bytes: the backend has no kernels for some dtypes, and bytes arrive unchanged.
-        flat = layout.flatten_buffer(spec, leaves).contiguous()
-        gathered = mesh.all_gather_world(flat.view(torch.uint8)).view(mesh.world_size, -1)[0]
-        for i, piece in zip(spec.leaves, layout.unflatten_buffer(spec, gathered.clone().view(flat.dtype))):
-            leaves[i] = piece
-    return leaves
 
 
 def _eager_bytes(layout: Layout, microbatches: int = 1, accumulate: str = "sharded") -> tuple[int, int]:

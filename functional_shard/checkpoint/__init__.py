@@ -2,6 +2,7 @@
 
     fs.checkpoint.save("ckpt/step-1000", state)                 # every rank
     state = fs.checkpoint.load("ckpt/step-1000", step.init(params))   # any world size, mesh or units
+    state = step.init(meta_params, initialize=fs.checkpoint.from_safetensors("model.safetensors"))
 
 A checkpoint is a directory: `index.json` (names, shapes, dtypes, where each chunk is, the
 optimizer's structure, the step, a format version), one safetensors file per writing rank, and
@@ -11,8 +12,10 @@ policy. See docs/checkpoints.md.
 """
 
 from ._format import CheckpointError as CheckpointError
+from ._full import from_safetensors as from_safetensors
+from ._full import load_full as load_full
 from ._load import load as load
 from ._load import read as read
 from ._save import save as save
 
-__all__ = ["CheckpointError", "load", "read", "save"]
+__all__ = ["CheckpointError", "from_safetensors", "load", "load_full", "read", "save"]
