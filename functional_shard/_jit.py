@@ -100,7 +100,7 @@ class FlatIO:
         self.batch_static = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in batch_leaves]
         self.counts = (len(layout.buffers), state_structure.num_leaves, len(self.batch_tensors))
         self.output_structure: optree.PyTreeSpec | None = None
-        self.loss_output = -1  # index of the local loss among the outputs, known once traced
+        self.forward_ends: list[int] = []  # outputs that end a forward pass, known once traced
 
     def inputs(self, shards, state_leaves, batch_leaves) -> list[torch.Tensor]:
         return [*shards, *state_leaves, *(batch_leaves[i] for i in self.batch_tensors)]
@@ -119,7 +119,9 @@ class FlatIO:
 
     def outputs(self, out: NamedTuple) -> list[torch.Tensor]:
         leaves, self.output_structure = tree_flatten(out)
-        self.loss_output = next(i for i, leaf in enumerate(leaves) if leaf is out.loss)
+        # Where each forward ends: each micro-batch's loss (a step with several), else the loss.
+        ends = getattr(out, "microbatch_losses", None) or (out.loss,)
+        self.forward_ends = [i for end in ends for i, leaf in enumerate(leaves) if leaf is end][: len(ends)]
         return leaves
 
     def split_outputs(self, flat: list) -> Any:
@@ -206,7 +208,8 @@ def trace(program: Callable[..., NamedTuple], mesh, key: CacheKey, io: FlatIO, i
                 f"branch with torch.where"
             ) from error
     _label_collectives(gm, log)
-    _mark_forward_end(gm, io.loss_output)
+    for index in io.forward_ends:
+        _mark_forward_end(gm, index)
     gm = schedule_lib.apply_schedule(gm, schedule, schedule_lib.PassContext.for_mesh(mesh))
     events = schedule_lib.analyze(gm)
     kinds = {"gather_issued": "all_gather", "reduce_scatter_issued": "reduce_scatter", "all_reduce_issued": "all_reduce"}
@@ -237,13 +240,13 @@ def _label_collectives(gm: fx.GraphModule, log: list[_tracing.Issued]) -> None:
     for node, entry in zip(issued, log):
         if schedule_lib.ISSUE_OPS[node.target] != entry.kind:
             raise RuntimeError(f"internal: collective {node.name} is a {node.target} but was recorded as {entry.kind}")
+        unit = entry.buffer.unit if entry.buffer is not None else ""
+        if unit and entry.microbatch is not None:
+            unit = f"{unit}@mb{entry.microbatch}"  # each micro-batch gathers its own copy
         schedule_lib.tag(
             node,
             schedule_lib.CollectiveTag.for_node(
-                node,
-                buffer=entry.buffer.name if entry.buffer is not None else "",
-                unit=entry.buffer.unit if entry.buffer is not None else "",
-                phase=entry.phase,
+                node, buffer=entry.buffer.name if entry.buffer is not None else "", unit=unit, phase=entry.phase
             ),
         )
 

@@ -82,6 +82,7 @@ class Gradients(NamedTuple):
     mean_loss: torch.Tensor  # the loss over every rank (weighted mean), 0-d float32
     aux: Any  # what loss_fn returned besides the loss (None without has_aux; per micro-batch: a list)
     finite: torch.Tensor | None  # with loss scaling: whether the whole gradient is finite (0-d bool)
+    microbatch_losses: tuple  # each micro-batch's loss (one per micro-batch when there are several)
 
 
 class StepOutput(NamedTuple):
@@ -96,6 +97,7 @@ class StepOutput(NamedTuple):
     grad_norm: torch.Tensor  # 2-norm of the whole mean gradient (before any clipping)
     skipped: torch.Tensor  # 0-d bool: the update was skipped (a gradient not finite under loss scaling)
     aux: Any  # loss_fn's aux, or None
+    microbatch_losses: tuple = ()  # each micro-batch's loss when there are several (ends of forwards)
 
 
 class EvalOutput(NamedTuple):
@@ -170,22 +172,12 @@ def gradients(fn: StepFunction, layout: Layout, shards, local, batch, loss_scale
     local = tuple(t.clone() for t in local)
     total: list[torch.Tensor] | None = None
     losses, weights, auxes = [], [], []
-    for micro in split_microbatches(batch, fn.microbatches, fn.input_dtype):
-        if fn.accumulate == "full":
-            grads, local, extras = _full_gradients(fn, layout, shards, trainable, frozen_leaves, local, micro, scale)
-        else:
-
-            def local_loss(trainable_shards, local, micro=micro):
-                leaves = dict(frozen_leaves)
-                with _tracing.phase("forward"):
-                    for k, s in zip(trainable, trainable_shards):
-                        spec = layout.buffers[k]
-                        leaves.update(zip(spec.leaves, gather_buffer(layout, spec, s, mesh, differentiable=True)))
-                    with _tracing.graph_semantics():
-                        out = fn.loss_fn(layout.assemble(leaves, local), micro)
-                return _objective(fn, out, scale)
-
-            grads, extras = torch.func.grad(local_loss, has_aux=True)(tuple(shards[k] for k in trainable), local)
+    for index, micro in enumerate(split_microbatches(batch, fn.microbatches, fn.input_dtype)):
+        with _tracing.microbatch(index if fn.microbatches > 1 else None):
+            if fn.accumulate == "full":
+                grads, local, extras = _full_gradients(fn, layout, shards, trainable, frozen_leaves, local, micro, scale)
+            else:
+                grads, extras = _sharded_gradients(fn, layout, shards, trainable, frozen_leaves, local, micro, scale)
         total = list(grads) if total is None else [t + g for t, g in zip(total, grads)]
         losses.append(extras[0])
         weights.append(extras[1] if isinstance(extras[1], torch.Tensor) else None)
@@ -222,7 +214,25 @@ def gradients(fn: StepFunction, layout: Layout, shards, local, batch, loss_scale
                 nonfinite = nonfinite + (~torch.isfinite(g)).sum().float()
             finite = global_sum(nonfinite, mesh).reshape(()) == 0
     aux = (auxes[0] if fn.microbatches == 1 else auxes) if fn.has_aux else None
-    return Gradients(mean, local, loss, mean_loss, aux, finite)
+    return Gradients(mean, local, loss, mean_loss, aux, finite, tuple(losses) if len(losses) > 1 else ())
+
+
+def _sharded_gradients(fn: StepFunction, layout: Layout, shards, trainable, frozen_leaves, local, micro, scale):
+    """One micro-batch's gradient with respect to this rank's trainable shards: `grad` of
+    `loss ∘ gather`, whose backward reduce-scatters (the "sharded" strategy, and k = 1)."""
+    mesh = fn.mesh
+
+    def local_loss(trainable_shards, local):
+        leaves = dict(frozen_leaves)
+        with _tracing.phase("forward"):
+            for k, s in zip(trainable, trainable_shards):
+                spec = layout.buffers[k]
+                leaves.update(zip(spec.leaves, gather_buffer(layout, spec, s, mesh, differentiable=True)))
+            with _tracing.graph_semantics():
+                out = fn.loss_fn(layout.assemble(leaves, local), micro)
+        return _objective(fn, out, scale)
+
+    return torch.func.grad(local_loss, has_aux=True)(tuple(shards[k] for k in trainable), local)
 
 
 def _full_gradients(fn: StepFunction, layout: Layout, shards, trainable, frozen_leaves, local, micro, scale):
@@ -263,7 +273,7 @@ def _reduce_full(layout: Layout, trainable, shards, fulls, mesh) -> list[torch.T
 def update(fn: StepFunction, layout: Layout, shards, local, opt_state, loss_scale, scalars, batch) -> StepOutput:
     """One whole step: gradients, the global gradient norm, the optimizer's update (skipped
     where loss scaling found a non-finite gradient), the mean loss."""
-    grads, local, loss, mean, aux, finite = gradients(fn, layout, shards, local, batch, loss_scale)
+    grads, local, loss, mean, aux, finite, microbatch_losses = gradients(fn, layout, shards, local, batch, loss_scale)
     trainable = {spec.name: s for spec, s in zip(layout.buffers, shards) if spec.trainable}
     with _tracing.phase("update"):
         norm = global_norm(list(grads.values()), fn.mesh) if grads else torch.zeros(())
@@ -277,7 +287,7 @@ def update(fn: StepFunction, layout: Layout, shards, local, opt_state, loss_scal
         new_opt_state = tree_map(lambda new, old: torch.where(finite, new, old), new_opt_state, opt_state)
         loss_scale = fn.loss_scale.next(loss_scale, finite)
     new_shards = [new_trainable.get(spec.name, s) for spec, s in zip(layout.buffers, shards)]
-    return StepOutput(new_shards, local, new_opt_state, loss_scale, mean, loss, norm, skipped, aux)
+    return StepOutput(new_shards, local, new_opt_state, loss_scale, mean, loss, norm, skipped, aux, microbatch_losses)
 
 
 def evaluate(fn: StepFunction, layout: Layout, shards, local, batch) -> EvalOutput:

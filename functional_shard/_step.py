@@ -327,7 +327,7 @@ class ShardedStep:
         sharded = state.params
         self.mesh.agree("step.grad")
         with self._random_stream(state), torch.no_grad():
-            grads, _, loss, mean_loss, aux, _ = _reference.gradients(
+            grads, _, loss, mean_loss, aux, _, _ = _reference.gradients(
                 self._fn, sharded.layout, sharded.shards, sharded.local, batch, state.loss_scale
             )
         shards = [grads.get(spec.name, torch.zeros_like(s)) for spec, s in zip(sharded.layout.buffers, sharded.shards)]
@@ -365,14 +365,23 @@ class ShardedStep:
         """The schedule of the most recently run traced step, as `fs.schedule.ScheduleEvent`s."""
         return list(self._last().events)
 
-    def explain(self) -> str:
-        """The schedule of the most recently run traced step, as a readable table."""
-        return self._last().explain()
+    def explain(self, program: str = "step") -> str:
+        """The schedule of the most recently run traced step (`program="step"`) or evaluation
+        (`"evaluate"`), as a readable table."""
+        return self._last(program).explain()
 
-    def _last(self):
-        if self._jit.last is None:
-            raise StepError("no traced step has run yet: call the step once (schedule.trace must be True)")
-        return self._jit.last
+    def last_traced(self, program: str = "step"):
+        """The `CompiledStep` most recently run by the step (`"step"`) or by `evaluate` (`"evaluate"`):
+        its graph, schedule `events`, bytes per call."""
+        return self._last(program)
+
+    def _last(self, program: str = "step"):
+        if program not in ("step", "evaluate"):
+            raise ValueError(f"program must be 'step' or 'evaluate'; got {program!r}")
+        jit = self._jit if program == "step" else self._eval_jit
+        if jit.last is None:
+            raise StepError(f"no traced {program} has run yet: call it once (schedule.trace must be True)")
+        return jit.last
 
 
 def _eager_bytes(layout: Layout, microbatches: int = 1, accumulate: str = "sharded") -> tuple[int, int]:

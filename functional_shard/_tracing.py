@@ -19,7 +19,7 @@ from typing import Any, Iterator, NamedTuple
 
 import torch.compiler
 
-__all__ = ["Issued", "Guard", "recording", "moving", "phase", "record", "guard", "graph_semantics"]
+__all__ = ["Issued", "Guard", "recording", "moving", "phase", "microbatch", "record", "guard", "graph_semantics"]
 
 
 class Issued(NamedTuple):
@@ -28,6 +28,7 @@ class Issued(NamedTuple):
     kind: str  # "all_gather" | "reduce_scatter" | "all_reduce"
     buffer: Any  # the BufferSpec it moves, or None
     phase: str  # "forward" | "backward" | "update"
+    microbatch: int | None  # the micro-batch it serves (None: the step has one, or it serves all)
 
 
 class Guard(NamedTuple):
@@ -42,6 +43,7 @@ _GUARDS: contextvars.ContextVar[list | None] = contextvars.ContextVar("functiona
 _LOG: contextvars.ContextVar[list | None] = contextvars.ContextVar("functional_shard_trace_log", default=None)
 _BUFFER: contextvars.ContextVar[Any] = contextvars.ContextVar("functional_shard_buffer", default=None)
 _PHASE: contextvars.ContextVar[str] = contextvars.ContextVar("functional_shard_phase", default="backward")
+_MICROBATCH: contextvars.ContextVar[int | None] = contextvars.ContextVar("functional_shard_microbatch", default=None)
 
 
 @contextlib.contextmanager
@@ -87,11 +89,21 @@ def phase(name: str) -> Iterator[None]:
         _PHASE.reset(token)
 
 
+@contextlib.contextmanager
+def microbatch(index: int | None) -> Iterator[None]:
+    """Label the collectives issued inside the block as serving micro-batch `index`."""
+    token = _MICROBATCH.set(index)
+    try:
+        yield
+    finally:
+        _MICROBATCH.reset(token)
+
+
 def record(kind: str) -> None:
     """Called by a mesh right before it issues a collective of `kind`."""
     log = _LOG.get()
     if log is not None:
-        log.append(Issued(kind, _BUFFER.get(), _PHASE.get()))
+        log.append(Issued(kind, _BUFFER.get(), _PHASE.get(), _MICROBATCH.get()))
 
 
 @contextlib.contextmanager

@@ -87,10 +87,15 @@ def mark_forward_end(node: fx.Node) -> None:
     node.meta[_FORWARD_END_KEY] = True
 
 
-def forward_end(gm: fx.GraphModule) -> fx.Node:
-    """The node `mark_forward_end` marked: what runs after it is the backward and the update."""
+def forward_end(gm: fx.GraphModule, after: fx.Node | None = None) -> fx.Node:
+    """The first node `mark_forward_end` marked (after `after`, when given): what runs after it
+    is a backward. A step with micro-batches has one mark per micro-batch (each micro-batch's
+    loss), so the forward a collective feeds ends at the first mark after it."""
+    seen = after is None
     for node in gm.graph.nodes:
-        if node.meta.get(_FORWARD_END_KEY):
+        if node is after:
+            seen = True
+        elif seen and node.meta.get(_FORWARD_END_KEY):
             return node
     raise RuntimeError("the graph has no node marked as the end of the forward pass (fs.schedule.mark_forward_end)")
 

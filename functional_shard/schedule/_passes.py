@@ -83,16 +83,16 @@ class reshard_after_forward(Pass):
             object.__setattr__(self, "reshard", _FrozenMapping(self.reshard))
 
     def reshards(self, unit: str) -> bool:
-        """Whether `unit` is freed after forward and gathered again for backward."""
+        """Whether `unit` is freed after forward and gathered again for backward (a unit's
+        gathers for micro-batch i, labelled `<unit>@mb<i>`, follow the unit's setting)."""
         if isinstance(self.reshard, _FrozenMapping):
-            return self.reshard.get(unit, self.default)
+            return self.reshard.get(unit.split("@mb")[0], self.default)
         return bool(self.reshard)
 
     def __call__(self, gm: fx.GraphModule, context: PassContext) -> fx.GraphModule:
-        end_node = forward_end(gm)
         for c in collectives(gm):
             if c.kind == "all_gather" and c.phase == "forward" and self.reshards(c.unit):
-                _gather_again_for_backward(gm, c, end_node)
+                _gather_again_for_backward(gm, c, forward_end(gm, after=c.wait))
         gm.graph.lint()
         return gm
 

@@ -1,0 +1,488 @@
+"""Training as Trainer/Accelerate users do (issue 8), on real gloo processes.
+
+- Hugging Face Llama and GPT-2 from small configs, sdpa attention with an `attention_mask`,
+  right padding and `-100` labels, `fs.WeightedLoss` by token count: 5 AdamW steps at world sizes
+  2 and 4 no further from single-process training on the concatenated batch than DDP (with the
+  same token weighting), traced and eager, and traced == eager bit for bit;
+- mixed precision bf16/fp32: traced == eager, no further from fp32 training than FSDP2 with
+  `MixedPrecisionPolicy(bf16, fp32)`, all-gather bytes half of fp32's; fp16 loss scaling skips an
+  overflowing step and leaves the state unchanged;
+- accumulation: k = 1, 2, 4 micro-batches, both strategies, equal one big batch (SGD, 1e-6),
+  bytes per step as documented, fewer bytes alive with k = 4;
+- `metrics["grad_norm"]` equals `clip_grad_norm_`'s total norm (flat and hybrid meshes);
+- evaluation: the single-process eval loss, within the unit bound; `model.eval()` retraces;
+- RNG: same seed, same bits; ranks draw different dropout masks; a resumed run continues the
+  stream (and the fp16 loss scale) exactly;
+- bad input: clear errors, state untouched.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import functional_shard as fs
+from functional_shard.models import GPT, MLP, GPTConfig
+
+from _memory import AliveBytes
+
+STEPS = 5
+VOCAB = 61
+
+
+# --- Hugging Face models with padding and -100 labels -------------------------------------------
+
+
+def build_hf(arch: str) -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    if arch == "llama":
+        config = LlamaConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=32, bos_token_id=0, eos_token_id=1, pad_token_id=2,
+        )
+        return LlamaForCausalLM(config)
+    config = GPT2Config(
+        vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0, bos_token_id=0, eos_token_id=1,
+    )
+    return GPT2LMHeadModel(config)
+
+
+def padded_batch(world: int, step: int, per_rank: int = 2, length: int = 12):
+    """(ids, mask, labels) of every rank; rank r holds rows r*per_rank..; right padding, -100 labels."""
+    g = torch.Generator().manual_seed(500 + step)
+    n = world * per_rank
+    ids = torch.randint(3, VOCAB, (n, length), generator=g)
+    lengths = torch.randint(3, length + 1, (n,), generator=g)
+    mask = (torch.arange(length)[None, :] < lengths[:, None]).long()
+    ids = ids.masked_fill(mask == 0, 2)
+    labels = ids.masked_fill(mask == 0, -100)
+    return ids, mask, labels
+
+
+def rows(batch, rank: int, per_rank: int = 2):
+    return tuple(t[rank * per_rank : (rank + 1) * per_rank] for t in batch)
+
+
+def token_sum(model_out_logits, labels):
+    logits = model_out_logits[:, :-1].float()
+    target = labels[:, 1:]
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100, reduction="sum")
+
+
+def hf_train(mesh, arch: str):
+    world, rank = mesh.world_size, mesh.rank
+    report = {}
+    states = {}
+    for trace in (True, False):
+        model = build_hf(arch)
+        apply_fn, params = fs.functionalize(model)
+
+        def loss_fn(p, batch):
+            ids, mask, labels = batch
+            out = apply_fn(p, input_ids=ids, attention_mask=mask)
+            n = (labels[:, 1:] != -100).sum()
+            return fs.WeightedLoss(token_sum(out.logits, labels) / n, n)
+
+        step = fs.sharded_step(loss_fn, mesh, optimizer=fs.optim.adamw(1e-2), schedule=fs.Schedule(trace=trace))
+        state = step.init(params)
+        if not trace:  # the first step's gradient against the single-process one, tensor by tensor
+            batch = padded_batch(world, 0)
+            full = fs.gather(step.grad(state, rows(batch, rank))[0])
+            reference = build_hf(arch)
+            total = (batch[2][:, 1:] != -100).sum()
+            (token_sum(reference(input_ids=batch[0], attention_mask=batch[1]).logits, batch[2]) / total).backward()
+            report["grad_error"] = max(
+                float((full[n] - p.grad).norm() / p.grad.norm()) for n, p in reference.named_parameters()
+            )
+        for i in range(STEPS):
+            state, metrics = step(state, rows(padded_batch(world, i), rank))
+        states[trace] = state
+        report[f"loss_{trace}"] = float(metrics["loss"])
+    report["traced_equals_eager"] = all(torch.equal(a, b) for a, b in zip(fs.tree_leaves(states[True]), fs.tree_leaves(states[False])))
+    exported = fs.export(states[True])
+
+    reference = build_hf(arch)
+    ddp_model = nn.parallel.DistributedDataParallel(build_hf(arch))
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    ddp_opt = torch.optim.AdamW(ddp_model.parameters(), lr=1e-2)
+    for i in range(STEPS):
+        batch = padded_batch(world, i)
+        total = (batch[2][:, 1:] != -100).sum()
+        ref_opt.zero_grad()
+        (token_sum(reference(input_ids=batch[0], attention_mask=batch[1]).logits, batch[2]) / total).backward()
+        ref_opt.step()
+        ids, mask, labels = rows(batch, rank)
+        ddp_opt.zero_grad()
+        # DDP averages gradients over ranks: weigh each rank's sum by world / total tokens.
+        (token_sum(ddp_model(input_ids=ids, attention_mask=mask).logits, labels) * world / total).backward()
+        ddp_opt.step()
+    errors, ddp_errors = {}, {}
+    for name, p in reference.named_parameters():
+        scale = float(p.detach().abs().max()) or 1.0
+        errors[name] = float((exported[name] - p.detach()).abs().max()) / scale
+        ddp_errors[name] = float((ddp_model.module.get_parameter(name).detach() - p.detach()).abs().max()) / scale
+    report["worst_fs"] = max(errors.values())
+    report["worst_ddp"] = max(ddp_errors.values())
+    return report
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_hf_models_with_padding_train_like_single_process(local_world, arch, world_size):
+    pytest.importorskip("transformers")
+    report = local_world(world_size).run(hf_train, arch)[0]
+    print(arch, world_size, report)
+    assert report["traced_equals_eager"]
+    # The gradient is the single-process one to fp32 rounding (a per-rank mean instead of the
+    # token-weighted one is 1e-2..1e-1 away).
+    assert report["grad_error"] <= 1e-5, report
+    # After 5 AdamW steps both fs and DDP are rounding noise away from the reference, which
+    # AdamW magnifies where a gradient is ~0; their sums run in different orders.
+    assert report["worst_fs"] <= max(10.0 * report["worst_ddp"], 1e-4), report
+
+
+# --- mixed precision ------------------------------------------------------------------------------
+
+
+def small_gpt(dropout: float = 0.0, bias: bool = True) -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=VOCAB, block_size=16, n_layer=2, n_head=2, d_model=32, dropout=dropout, bias=bias))
+
+
+def gpt_batch(world: int, step: int, per_rank: int = 2):
+    g = torch.Generator().manual_seed(900 + step)
+    tokens = torch.randint(0, VOCAB, (world * per_rank, 12), generator=g)
+    return tokens, torch.roll(tokens, -1, dims=1)
+
+
+def ce(logits, targets):
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+
+
+def mixed_precision(mesh):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    world, rank = mesh.world_size, mesh.rank
+    bf16 = fs.Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    out, states = {}, {}
+    for name, precision, trace in (("fp32", None, True), ("bf16", bf16, True), ("bf16_eager", bf16, False)):
+        apply_fn, params = fs.functionalize(small_gpt())
+        step = fs.sharded_step(
+            lambda p, b: ce(apply_fn(p, b[0]), b[1]), mesh, optimizer=fs.optim.adamw(1e-2),
+            precision=precision, schedule=fs.Schedule(trace=trace),
+        )
+        state = step.init(params)
+        for i in range(STEPS):
+            state, metrics = step(state, rows(gpt_batch(world, i), rank))
+        states[name] = state
+        out[f"{name}_gather_bytes"] = metrics["all_gather_bytes"]
+        out[f"{name}_scatter_bytes"] = metrics["reduce_scatter_bytes"]
+    out["traced_equals_eager"] = all(torch.equal(a, b) for a, b in zip(fs.tree_leaves(states["bf16"]), fs.tree_leaves(states["bf16_eager"])))
+    exported = fs.export(states["bf16"])
+
+    reference = small_gpt()
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    fsdp = small_gpt()
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in fsdp.blocks:
+        fully_shard(block, mesh=mesh.device_mesh, mp_policy=policy)
+    fully_shard(fsdp, mesh=mesh.device_mesh, mp_policy=policy)
+    fsdp_opt = torch.optim.AdamW(fsdp.parameters(), lr=1e-2)
+    for i in range(STEPS):
+        batch = gpt_batch(world, i)
+        ref_opt.zero_grad()
+        ce(reference(batch[0]), batch[1]).backward()
+        ref_opt.step()
+        x, y = rows(batch, rank)
+        fsdp_opt.zero_grad()
+        ce(fsdp(x), y).backward()
+        fsdp_opt.step()
+    fsdp_full = {n: p.full_tensor() for n, p in fsdp.named_parameters()}
+    fs_err, fsdp_err = 0.0, 0.0
+    for name, p in reference.named_parameters():
+        scale = float(p.detach().abs().max())
+        fs_err = max(fs_err, float((exported[name] - p.detach()).abs().max()) / scale)
+        fsdp_err = max(fsdp_err, float((fsdp_full[name].float() - p.detach()).abs().max()) / scale)
+    out["fs_err"], out["fsdp_err"] = fs_err, fsdp_err
+    return out
+
+
+def test_bf16_mixed_precision_matches_fsdp2(local_world):
+    out = local_world(2).run(mixed_precision)[0]
+    assert out["traced_equals_eager"]
+    assert out["bf16_gather_bytes"] * 2 == out["fp32_gather_bytes"]
+    assert out["bf16_scatter_bytes"] == out["fp32_scatter_bytes"]  # reduced in fp32
+    # bf16 rounding differs in detail between the two (where casts happen); within a factor.
+    assert out["fs_err"] <= 1.5 * out["fsdp_err"] + 1e-3, out
+
+
+def fp16_overflow(mesh):
+    apply_fn, params = fs.functionalize(small_gpt())
+    precision = fs.Precision(param_dtype=torch.float16, loss_scale=fs.LossScale(init_scale=2.0**40))
+    step = fs.sharded_step(lambda p, b: ce(apply_fn(p, b[0]), b[1]), mesh, optimizer=fs.optim.adamw(1e-2), precision=precision)
+    state = step.init(params)
+    before = fs.tree_leaves((state.params, state.opt_state))
+    batch = rows(gpt_batch(mesh.world_size, 0), mesh.rank)
+    state1, m1 = step(state, batch)
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, fs.tree_leaves((state1.params, state1.opt_state))))
+    scales = [float(m1["loss_scale"])]
+    skipped = [bool(m1["skipped"])]
+    for _ in range(30):  # the scale halves until the gradient is finite, then the step updates
+        state1, m = step(state1, batch)
+        scales.append(float(m["loss_scale"]))
+        skipped.append(bool(m["skipped"]))
+        if not skipped[-1]:
+            break
+    updated = not all(torch.equal(a, b) for a, b in zip(before, fs.tree_leaves(state1.params)))
+    return unchanged, skipped, scales, updated
+
+
+def test_fp16_overflow_step_is_skipped_and_reported(local_world):
+    unchanged, skipped, scales, updated = local_world(2).run(fp16_overflow)[0]
+    assert skipped[0] and unchanged
+    assert scales[1] == scales[0] / 2
+    assert not skipped[-1] and updated
+
+
+# --- accumulation ---------------------------------------------------------------------------------
+
+
+def accumulation(mesh, accumulate: str):
+    world, rank = mesh.world_size, mesh.rank
+    g = torch.Generator().manual_seed(3)
+    data = [(torch.randn(world * 8, 13, generator=g), torch.randint(0, 5, (world * 8,), generator=g)) for _ in range(3)]
+    out = {}
+    for k in (1, 2, 4):
+        torch.manual_seed(0)
+        apply_fn, params = fs.functionalize(MLP(13, 16, 5, n_blocks=3))
+        step = fs.sharded_step(
+            lambda p, b: F.cross_entropy(apply_fn(p, b[0]), b[1]), mesh, optimizer=fs.optim.sgd(0.1),
+            microbatches=k, schedule=fs.Schedule(accumulate=accumulate),
+        )
+        state = step.init(params)
+        for batch in data:
+            state, metrics = step(state, tuple(t[rank * 8 : (rank + 1) * 8] for t in batch))
+        eager = fs.sharded_step(
+            lambda p, b: F.cross_entropy(apply_fn(p, b[0]), b[1]), mesh, optimizer=fs.optim.sgd(0.1),
+            microbatches=k, schedule=fs.Schedule(trace=False, accumulate=accumulate),
+        )
+        eager_state = eager.init(params)
+        for batch in data:
+            eager_state, _ = eager(eager_state, tuple(t[rank * 8 : (rank + 1) * 8] for t in batch))
+        out[k] = {
+            "params": fs.export(state),
+            "same_as_eager": all(torch.equal(a, b) for a, b in zip(fs.tree_leaves(state), fs.tree_leaves(eager_state))),
+            "gather": metrics["all_gather_bytes"],
+            "scatter": metrics["reduce_scatter_bytes"],
+            "trainable_bytes": sum(b.padded_numel * 4 for b in state.params.layout.buffers if b.trainable),
+        }
+    torch.manual_seed(0)
+    reference = MLP(13, 16, 5, n_blocks=3)
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for x, y in data:
+        opt.zero_grad()
+        F.cross_entropy(reference(x), y).backward()
+        opt.step()
+    for k in out:
+        out[k]["error"] = max(
+            float((out[k]["params"][n] - p.detach()).abs().max() / p.detach().abs().max()) for n, p in reference.named_parameters()
+        )
+        del out[k]["params"]
+    return out
+
+
+@pytest.mark.parametrize("accumulate", ["sharded", "full"])
+def test_microbatches_equal_one_big_batch(local_world, accumulate):
+    out = local_world(2).run(accumulation, accumulate)[0]
+    for k, r in out.items():
+        assert r["same_as_eager"], k
+        assert r["error"] <= 1e-6, (k, r["error"])
+        # Reduce-scatter bytes: k per step when sharded, 1 when full; gathers grow with k.
+        assert r["scatter"] == r["trainable_bytes"] * (k if accumulate == "sharded" else 1), (k, r)
+    assert out[4]["gather"] > out[1]["gather"]
+
+
+def accumulation_memory(mesh, accumulate: str):
+    """Bytes alive (beyond the state) in one traced step, activation-heavy: k = 1 vs 4."""
+    peaks = {}
+    for k in (1, 4):
+        torch.manual_seed(0)
+        apply_fn, params = fs.functionalize(MLP(16, 64, 4, n_blocks=2))
+        step = fs.sharded_step(
+            lambda p, b: F.cross_entropy(apply_fn(p, b[0]), b[1]), mesh, optimizer=fs.optim.sgd(0.1),
+            microbatches=k, schedule=fs.Schedule(accumulate=accumulate),
+        )
+        state = step.init(params)
+        batch = (torch.randn(512, 16), torch.randint(0, 4, (512,)))
+        state, _ = step(state, batch)  # traces
+        with AliveBytes(existing=fs.tree_leaves(state)) as counter:
+            step(state, batch)
+        peaks[k] = counter.peak
+    return peaks
+
+
+@pytest.mark.parametrize("accumulate", ["sharded", "full"])
+def test_microbatches_keep_one_microbatch_of_activations(local_world, accumulate):
+    peaks = local_world(2).run(accumulation_memory, accumulate)[0]
+    assert peaks[4] < 0.6 * peaks[1], peaks
+
+
+# --- grad norm ------------------------------------------------------------------------------------
+
+
+def grad_norms(mesh, axes):
+    rank, world = mesh.rank, mesh.world_size
+    apply_fn, params = fs.functionalize(small_gpt())
+    optimizer = fs.optim.chain(fs.optim.clip_by_global_norm(0.5), fs.optim.adamw(1e-2))
+    step = fs.sharded_step(lambda p, b: ce(apply_fn(p, b[0]), b[1]), mesh, optimizer=optimizer)
+    state = step.init(params)
+    reference = small_gpt()
+    opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    ddp = nn.parallel.DistributedDataParallel(small_gpt())
+    ddp_opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    relative = []
+    for i in range(3):
+        batch = gpt_batch(world, i)
+        state, metrics = step(state, rows(batch, rank))
+        opt.zero_grad()
+        ce(reference(batch[0]), batch[1]).backward()
+        total = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
+        opt.step()
+        ddp_opt.zero_grad()
+        ce(ddp(rows(batch, rank)[0]), rows(batch, rank)[1]).backward()
+        torch.nn.utils.clip_grad_norm_(ddp.parameters(), 0.5)
+        ddp_opt.step()
+        relative.append(abs(float(metrics["grad_norm"]) / float(total) - 1))
+    exported = fs.export(state)
+
+    def error(get):
+        return max(float((get(n) - p.detach()).abs().max() / p.detach().abs().max()) for n, p in reference.named_parameters())
+
+    return relative, error(exported.__getitem__), error(lambda n: ddp.module.get_parameter(n).detach())
+
+
+@pytest.mark.parametrize("axes", [None, {"replicate": 2, "fsdp": 2}])
+def test_grad_norm_and_clipping_match_torch(local_world, axes):
+    world = local_world(2) if axes is None else fs.testing.LocalWorld(4, axes=axes)
+    try:
+        for relative, fs_error, ddp_error in world.run(grad_norms, axes):
+            assert max(relative) <= 1e-6, relative
+            # Clipped AdamW steps: rounding noise, which AdamW magnifies where a gradient is ~0
+            # (DDP with clip_grad_norm_ is as far); a wrong norm (say, of one rank's shard)
+            # changes every clipped step by far more.
+            assert fs_error <= max(10 * ddp_error, 1e-5), (fs_error, ddp_error)
+    finally:
+        if axes is not None:
+            world.close()
+
+
+# --- evaluation, modes, RNG -----------------------------------------------------------------------
+
+
+def evaluation(mesh):
+    world, rank = mesh.world_size, mesh.rank
+    model = small_gpt(dropout=0.5)
+    apply_fn, params = fs.functionalize(model)
+    schedule = fs.Schedule(prefetch=1)
+    step = fs.sharded_step(lambda p, b: ce(apply_fn(p, b[0]), b[1]), mesh, optimizer=fs.optim.adamw(1e-2), schedule=schedule)
+    state = step.init(params, seed=7)
+    batch = gpt_batch(world, 0)
+    train_mode = float(step.evaluate(state, rows(batch, rank))["loss"])
+    model.eval()
+    evaluated = float(step.evaluate(state, rows(batch, rank))["loss"])
+    reference = small_gpt(dropout=0.5).eval()
+    with torch.no_grad():
+        expected = float(ce(reference(batch[0]), batch[1]))
+    events = step.last_traced("evaluate").events
+    return train_mode, evaluated, expected, fs.schedule.max_units_alive(events), step.last_traced("evaluate").reduce_scatter_bytes
+
+
+def test_evaluate_matches_the_single_process_model_and_follows_eval_mode(local_world):
+    train_mode, evaluated, expected, alive, scattered = local_world(2).run(evaluation)[0]
+    assert abs(evaluated - expected) <= 1e-5 * abs(expected)
+    assert abs(train_mode - expected) > 1e-3  # dropout was on before model.eval(): a new trace
+    assert alive <= 1 + 2 and scattered == 0
+
+
+def dropout_runs(mesh, directory: str):
+    world, rank = mesh.world_size, mesh.rank
+    precision = fs.Precision(param_dtype=torch.float16, loss_scale=fs.LossScale(init_scale=2.0**8, growth_interval=1))
+
+    def make(seed_model: int = 0):
+        apply_fn, params = fs.functionalize(small_gpt(dropout=0.3))
+        step = fs.sharded_step(
+            lambda p, b: ce(apply_fn(p, b[0]), b[1]), mesh, optimizer=fs.optim.adamw(1e-2), precision=precision
+        )
+        return step, params
+
+    same_batch = gpt_batch(1, 0)  # every rank the same batch: losses differ only by their dropout masks
+    runs = []
+    for _ in range(2):
+        step, params = make()
+        state = step.init(params, seed=11)
+        losses = []
+        for i in range(4):
+            state, metrics = step(state, same_batch)
+            losses.append(float(metrics["local_loss"]))
+        runs.append((fs.tree_leaves(state), losses))
+    step, params = make()
+    half = step.init(params, seed=11)
+    for i in range(2):
+        half, _ = step(half, same_batch)
+    path = os.path.join(directory, "half")
+    fs.checkpoint.save(path, half)
+    step2, params2 = make()
+    resumed = fs.checkpoint.load(path, step2.init(params2, seed=999))  # the seed comes from the checkpoint
+    for i in range(2):
+        resumed, _ = step2(resumed, same_batch)
+    return {
+        "repeatable": all(torch.equal(a, b) for a, b in zip(runs[0][0], runs[1][0])),
+        "losses": runs[0][1],
+        "resumed_exact": all(torch.equal(a, b) for a, b in zip(fs.tree_leaves(resumed), runs[0][0])),
+        "scale": float(resumed.loss_scale.scale),
+    }
+
+
+def test_rng_is_state_repeatable_per_rank_and_resumable(local_world, tmp_path):
+    reports = local_world(2).run(dropout_runs, str(tmp_path))
+    for r in reports:
+        assert r["repeatable"] and r["resumed_exact"], r
+    assert reports[0]["losses"] != reports[1]["losses"]  # ranks draw different dropout masks
+
+
+# --- bad input ------------------------------------------------------------------------------------
+
+
+def test_bad_training_options_are_named():
+    with pytest.raises(ValueError, match="param_dtype must be a floating torch.dtype.*torch.int32"):
+        fs.Precision(param_dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"float16\) needs loss scaling"):
+        fs.Precision(param_dtype=torch.float16)
+    with pytest.raises(ValueError, match="max_norm"):
+        fs.optim.clip_by_global_norm(0.0)
+    with pytest.raises(ValueError, match="accumulate must be 'sharded' or 'full'"):
+        fs.Schedule(accumulate="sometimes")
+
+    def body(mesh):
+        torch.manual_seed(0)
+        apply_fn, params = fs.functionalize(MLP(5, 8, 3, n_blocks=1))
+        with pytest.raises(ValueError, match="microbatches must be an int >= 1; got 0"):
+            fs.sharded_step(lambda p, b: p, mesh, optimizer=fs.optim.sgd(0.1), microbatches=0)
+        step = fs.sharded_step(
+            lambda p, b: apply_fn(p, b).square().mean(), mesh, optimizer=fs.optim.sgd(0.1), microbatches=2,
+            schedule=fs.Schedule(trace=False),
+        )
+        state = step.init(params)
+        before = [t.clone() for t in fs.tree_leaves(state)]
+        with pytest.raises(fs.StepError, match=r"microbatches=2 must divide .* shape \[3, 5\]"):
+            step(state, torch.randn(3, 5))
+        assert all(torch.equal(a, b) for a, b in zip(before, fs.tree_leaves(state)))
+
+    fs.testing.SimulatedWorld(1).run(body)
