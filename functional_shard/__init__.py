@@ -7,6 +7,7 @@
     state, metrics = step(state, batch)
 """
 
+from . import analysis as analysis
 from . import optim as optim
 from . import testing as testing
 from ._export import export as export
@@ -69,6 +70,7 @@ __all__ = [
     "StepState",
     "TraceError",
     "all_reduce",
+    "analysis",
     "export",
     "functionalize",
     "gather",
