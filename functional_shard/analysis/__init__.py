@@ -4,6 +4,9 @@
     report = fs.analysis.analyze(compiled)      # FLOPs per unit, collective bytes, peak memory
 """
 
+from ._abstract import AbstractMesh as AbstractMesh
+from ._abstract import abstract_state as abstract_state
+from ._abstract import plan as plan
 from ._analyze import Analysis as Analysis
 from ._analyze import CollectiveCost as CollectiveCost
 from ._analyze import UnitCost as UnitCost
@@ -11,4 +14,4 @@ from ._analyze import analyze as analyze
 from ._memory import MemoryBreakdown as MemoryBreakdown
 from ._memory import MemoryEstimate as MemoryEstimate
 
-__all__ = ["Analysis", "CollectiveCost", "MemoryBreakdown", "MemoryEstimate", "UnitCost", "analyze"]
+__all__ = ["AbstractMesh", "Analysis", "CollectiveCost", "MemoryBreakdown", "MemoryEstimate", "UnitCost", "abstract_state", "analyze", "plan"]
