@@ -103,3 +103,66 @@ def test_abstract_mesh_refuses_real_tensors():
         mesh.all_gather_flat(torch.zeros(3))
     with pytest.raises(ValueError, match="positive int"):
         fs.analysis.AbstractMesh({"fsdp": 0})
+
+
+def _profile_gpt(mesh):
+    torch.manual_seed(0)
+    apply_fn, params = fs.functionalize(GPT(GPTConfig(**GPT_SHAPE)))
+    step = fs.sharded_step(gpt_loss(apply_fn), mesh, optimizer=fs.optim.adamw(lr=1e-3))
+    state = step.init(params)
+    g = torch.Generator().manual_seed(mesh.rank)
+    tokens = torch.randint(0, GPT_SHAPE["vocab_size"], (2, 32), generator=g)
+    batch = (tokens, tokens)
+    before = [t.clone() for t in fs.tree_leaves(state)]
+    result = fs.analysis.profile(step, state, batch, repeat=1)
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, fs.tree_leaves(state)))
+    predicted = fs.analysis.analyze(step.lower(state, batch))
+    return result, unchanged, [c.unit for c in predicted.collectives if c.kind == "all_gather"]
+
+
+def test_profile_chrome_trace(local_world, tmp_path):
+    results = local_world(2).run(_profile_gpt)
+    result, unchanged, gathered_units = results[0]
+    assert all(r[1] for r in results), "profile must not modify the state"
+    path = tmp_path / "trace.json"
+    fs.analysis.save_chrome_trace(result, str(path))
+    trace = json.loads(path.read_text())
+    events = [e for e in trace["traceEvents"] if e["ph"] in ("X", "i")]
+    for e in events:
+        assert {"ph", "ts", "pid", "tid", "name"} <= set(e) and (e["ph"] == "i" or e["dur"] >= 0), e
+    assert {e["pid"] for e in events} == {0, 1}
+    names = {(m["pid"], m["tid"]): m["args"]["name"] for m in trace["traceEvents"] if m["ph"] == "M" and m["name"] == "thread_name"}
+    assert names == {(0, 0): "compute", (0, 1): "communication", (1, 0): "compute", (1, 1): "communication"}
+    for rank in (0, 1):
+        mine = [e for e in events if e["pid"] == rank]
+        compute = sorted((e for e in mine if e["tid"] == 0 and e["ph"] == "X"), key=lambda e: (e["ts"], -e["dur"]))
+        # Complete events on one thread nest: each one lies inside or after the ones before it.
+        stack: list[float] = []
+        for e in compute:
+            while stack and e["ts"] >= stack[-1] - 1e-3:
+                stack.pop()
+            assert not stack or e["ts"] + e["dur"] <= stack[-1] + 1e-3, f"{e['name']} overlaps its enclosing event"
+            stack.append(e["ts"] + e["dur"])
+        phases = [e for e in compute if e["cat"] == "phase"]
+        assert [e["name"] for e in phases] == ["forward", "backward", "update"]
+        assert all(a["ts"] + a["dur"] <= b["ts"] + 1e-3 for a, b in zip(phases, phases[1:]))
+        regions = {e["name"] for e in compute if e["cat"] == "region"}
+        blocks = [f"blocks.{i}" for i in range(GPT_SHAPE["n_layer"])]
+        assert {f"{b} forward" for b in blocks} | {f"{b} backward" for b in blocks} <= regions
+        # Forward regions in block order, backward regions in reverse.
+        start = {e["name"]: e["ts"] for e in compute if e["cat"] == "region"}
+        assert [start[f"{b} forward"] for b in blocks] == sorted(start[f"{b} forward"] for b in blocks)
+        assert [start[f"{b} backward"] for b in blocks] == sorted((start[f"{b} backward"] for b in blocks), reverse=True)
+        # Every collective is issued before it is waited, and each wait lies in its collective's flight.
+        flights = [e for e in mine if e["tid"] == 1]
+        assert [e["name"] for e in flights if e["name"].startswith("all_gather")] == [f"all_gather {u}" for u in gathered_units]
+        waits = [e for e in compute if e["cat"] == "wait"]
+        assert len(waits) == len(flights)
+        for wait, flight in zip(sorted(waits, key=lambda e: e["ts"]), sorted(flights, key=lambda e: e["ts"])):
+            assert wait["name"] == "wait " + flight["name"]
+            assert flight["ts"] <= wait["ts"] + 1e-3 and wait["ts"] + wait["dur"] <= flight["ts"] + flight["dur"] + 1e-3
+        frees = [e for e in mine if e["ph"] == "i"]
+        assert len(frees) == len(gathered_units)
+    assert result.marks > 0 and result.plain_step_s > 0 and result.marked_step_s > 0
+    fs.analysis.plot_gantt(result, str(tmp_path / "gantt.png"))
+    assert (tmp_path / "gantt.png").stat().st_size > 10_000

@@ -13,5 +13,11 @@ from ._analyze import UnitCost as UnitCost
 from ._analyze import analyze as analyze
 from ._memory import MemoryBreakdown as MemoryBreakdown
 from ._memory import MemoryEstimate as MemoryEstimate
+from ._timeline import Profile as Profile
+from ._timeline import TraceEvent as TraceEvent
+from ._timeline import chrome_trace as chrome_trace
+from ._timeline import plot_gantt as plot_gantt
+from ._timeline import profile as profile
+from ._timeline import save_chrome_trace as save_chrome_trace
 
-__all__ = ["AbstractMesh", "Analysis", "CollectiveCost", "MemoryBreakdown", "MemoryEstimate", "UnitCost", "abstract_state", "analyze", "plan"]
+__all__ = ["AbstractMesh", "Analysis", "CollectiveCost", "MemoryBreakdown", "MemoryEstimate", "Profile", "TraceEvent", "UnitCost", "abstract_state", "analyze", "chrome_trace", "plan", "plot_gantt", "profile", "save_chrome_trace"]
