@@ -166,3 +166,57 @@ def test_profile_chrome_trace(local_world, tmp_path):
     assert result.marks > 0 and result.plain_step_s > 0 and result.marked_step_s > 0
     fs.analysis.plot_gantt(result, str(tmp_path / "gantt.png"))
     assert (tmp_path / "gantt.png").stat().st_size > 10_000
+
+
+def test_simulate_on_h100_spec_plans_and_orders_schedules():
+    """The simulator on a data-sheet machine: a step's time is at least its compute and its
+    exposed communication, and resharding (more bytes) is never predicted faster than
+    keeping the gathered parameters, nor prefetching slower than gathering on demand."""
+    apply_fn, params = meta_gpt()
+    machine = fs.analysis.h100_sxm(world_size=64)
+    results = {}
+    for name, schedule in {
+        "default": fs.Schedule(),
+        "prefetch 0": fs.Schedule(prefetch=0),
+        "no reshard": fs.Schedule(reshard_after_forward=False),
+    }.items():
+        _, compiled = fs.analysis.plan(
+            gpt_loss(apply_fn), params, meta_batch(), mesh=fs.analysis.AbstractMesh({"fsdp": 64}), optimizer=fs.optim.adamw(lr=1e-3), schedule=schedule
+        )
+        sim = fs.analysis.simulate(compiled, machine)
+        assert sim.step_s >= sim.compute_s + sim.exposed_s - 1e-12
+        assert sim.exposed_s <= sim.communication_s + 1e-12
+        assert sim.memory.peak == fs.analysis.analyze(compiled).memory.peak
+        results[name] = sim
+    assert results["no reshard"].communication_s < results["default"].communication_s
+    assert results["default"].exposed_s <= results["prefetch 0"].exposed_s
+    trace = fs.analysis.chrome_trace(results["default"].as_profile())
+    assert any(e["ph"] == "X" and e["tid"] == 1 for e in trace["traceEvents"])
+
+
+def test_machine_json_round_trip(tmp_path):
+    machine = fs.analysis.h100_sxm()
+    machine.save(str(tmp_path / "m.json"))
+    assert fs.analysis.load_machine(str(tmp_path / "m.json")) == machine
+    with pytest.raises(ValueError, match="all_reduce"):
+        fs.analysis.Machine("x", ((1, 1.0),), ((1, 1.0),), 0.0, 0.0, {"all_gather": 0, "reduce_scatter": 0}, {"all_gather": 1, "reduce_scatter": 1})
+
+
+def test_simulator_benchmark_quick_mode_runs_and_reports():
+    """`benchmarks/simulator.py --quick`: calibrates, predicts and measures one case, prints
+    the table (no threshold on the figures: timings here are noisy)."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run(
+        [sys.executable, os.path.join(root, "benchmarks", "simulator.py"), "--quick"], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [line for line in out.stdout.splitlines() if line.startswith("mlp | default | 2 |")]
+    assert len(rows) == 1, out.stdout
+    predicted_ms, measured = rows[0].split(" | ")[3:5]
+    assert float(predicted_ms) > 0 and float(measured.split()[0]) > 0
+    assert "within 15%" in out.stdout

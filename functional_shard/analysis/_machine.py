@@ -97,9 +97,11 @@ class Machine:
         return self.collective_latency_s[kind] + share * nbytes / self.collective_bandwidth[kind]
 
     def to_json(self) -> str:
+        """The machine as JSON text (what `save` writes and `load_machine` reads)."""
         return json.dumps(dataclasses.asdict(self), indent=1)
 
     def save(self, path: str) -> None:
+        """Write `to_json()` to `path`."""
         with open(path, "w") as f:
             f.write(self.to_json())
 
