@@ -7,6 +7,7 @@
     state, metrics = step(state, batch)
 """
 
+from . import analysis as analysis
 from . import optim as optim
 from . import checkpoint as checkpoint
 from . import initialize as initialize
@@ -86,6 +87,7 @@ __all__ = [
     "WeightedLoss",
     "WorkerPool",
     "all_reduce",
+    "analysis",
     "checkpoint",
     "export",
     "functionalize",

@@ -127,6 +127,31 @@ class FlatIO:
     def split_outputs(self, flat: list) -> Any:
         return optree.tree_unflatten(self.output_structure, list(flat))
 
+    def input_kinds(self) -> list[str]:
+        """What each graph input holds: "parameters" (shards and local leaves, the state's first
+        part), "optimizer_state" (the rest of the state: optimizer state, loss scale, scalars)
+        or "batch"."""
+        n_shards, n_state, n_batch = self.counts
+        kinds: list[str] = ["parameters"] * n_shards + [""] * n_state + ["batch"] * n_batch
+        state = optree.tree_unflatten(self.state_structure, list(range(n_state)))
+        for part, child in enumerate(state):
+            for index in tree_flatten(child)[0]:
+                kinds[n_shards + index] = "parameters" if part == 0 else "optimizer_state"
+        return kinds
+
+    def output_kinds(self) -> list[str | None]:
+        """What each graph output holds: "parameters", "optimizer_state", or None (losses, norms,
+        aux), read off the program's NamedTuple fields (shards, local, opt_state, loss_scale)."""
+        assert self.output_structure is not None, "known once traced"
+        n = self.output_structure.num_leaves
+        out = optree.tree_unflatten(self.output_structure, list(range(n)))
+        kinds: list[str | None] = [None] * n
+        fields = {"shards": "parameters", "local": "parameters", "opt_state": "optimizer_state", "loss_scale": "optimizer_state"}
+        for field, kind in fields.items():
+            for index in tree_flatten(getattr(out, field, None))[0]:
+                kinds[index] = kind
+        return kinds
+
 
 @dataclasses.dataclass
 class CompiledStep:
@@ -292,6 +317,10 @@ class Jit:
         collective (tensors may be fake or on the meta device; the cache is not touched)."""
         key, io, inputs, _ = self._key_and_inputs(layout, shards, state, batch)
         return trace(self._bound(layout), self.mesh, key, io, inputs, self.schedule)
+
+    def graph_inputs(self, layout: Layout, shards, state, batch) -> list:
+        """The flat inputs of the graph for these arguments."""
+        return self._key_and_inputs(layout, shards, state, batch)[2]
 
     def _bound(self, layout: Layout):
         return lambda shards, state, batch: self.program(layout, shards, state, batch)

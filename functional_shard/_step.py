@@ -201,6 +201,22 @@ class ShardedStep:
         loss_scale = self._fn.loss_scale.init() if self._fn.loss_scale is not None else None
         return StepState(sharded, opt_state, loss_scale, torch.tensor(seed, dtype=torch.int64), 0, self._key)
 
+    def init_abstract(self, params: Any) -> StepState:
+        """A state whose shards and optimizer state are meta tensors: shapes and dtypes only,
+        nothing allocated and no collective — for planning a step (`step.lower`,
+        `fs.analysis`) on a mesh that need not exist. It cannot be run.
+
+        Arguments:
+            params: the parameter pytree, typically on the meta device (a model built under
+                `torch.device("meta")`, then `fs.functionalize`); only shapes and dtypes are read.
+        """
+        layout, leaves = make_layout(params, self.mesh.num_shards, units=self.units, precision=self.precision)
+        shards = [torch.empty(spec.shard_numel, dtype=spec.dtype, device="meta") for spec in layout.buffers]
+        local = [torch.empty(leaves[i].shape, dtype=leaves[i].dtype, device="meta") for i in layout.local]
+        sharded = Sharded(layout, self.mesh, shards, local)
+        loss_scale = self._fn.loss_scale.init() if self._fn.loss_scale is not None else None
+        return StepState(sharded, self.optimizer.init(_trainable(sharded)), loss_scale, torch.tensor(0), 0, self._key)
+
     # --- the step -------------------------------------------------------------------------
 
     def __call__(self, state: StepState, batch: Any) -> tuple[StepState, dict[str, Any]]:
@@ -369,6 +385,14 @@ class ShardedStep:
         """The schedule of the most recently run traced step (`program="step"`) or evaluation
         (`"evaluate"`), as a readable table."""
         return self._last(program).explain()
+
+    def graph_inputs(self, state: StepState, batch: Any) -> list:
+        """The flat list of tensors the traced step's graph takes for `state` and `batch`
+        (`last_traced().graph_module(*step.graph_inputs(state, batch))` runs one step's graph
+        by hand, e.g. to profile it). Local: no collective."""
+        sharded = state.params
+        rest = (sharded.local, state.opt_state, state.loss_scale, self.optimizer.scalars(state.opt_state))
+        return self._jit.graph_inputs(sharded.layout, sharded.shards, rest, batch)
 
     def last_traced(self, program: str = "step"):
         """The `CompiledStep` most recently run by the step (`"step"`) or by `evaluate` (`"evaluate"`):

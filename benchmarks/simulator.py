@@ -1,0 +1,207 @@
+"""Predicted vs measured: the simulator's step time and peak memory against real steps.
+
+    python benchmarks/simulator.py              # MLP, GPT, HF Llama x 4 schedules x world sizes 2, 4
+    python benchmarks/simulator.py --quick      # MLP, one schedule, world size 2 (what the test runs)
+    python benchmarks/simulator.py --plan       # Llama-7B planned on 8, 64, 1024 ranks (no run)
+
+For each world size the machine is calibrated once (`fs.analysis.calibrate`), then every
+(model, schedule) is traced (`step.lower`), simulated, and measured separately: the median
+wall time of `--steps` steps (each the slowest rank's, after a warm-up step), and the peak of
+one more step under `MemTracker` (state and batch tracked as external memory, as in
+`compare.py`). Ranks are processes on this machine's cores (gloo), one thread each; the
+machine may be shared, so timings carry its noise: the table reports the spread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.distributed._tools.mem_tracker import MemTracker
+
+import functional_shard as fs
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+SCHEDULES = {
+    "default": fs.Schedule(),
+    "prefetch 0": fs.Schedule(prefetch=0),
+    "no reshard": fs.Schedule(reshard_after_forward=False),
+    "prefetch 2": fs.Schedule(prefetch=2),
+}
+BATCH = {"mlp": 16, "gpt": 4, "llama": 4}
+
+
+def _llama_config(**overrides):
+    from transformers import LlamaConfig
+
+    shape = dict(hidden_size=128, intermediate_size=344, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+                 vocab_size=256, max_position_embeddings=128)
+    shape.update(overrides)
+    return LlamaConfig(**shape, attn_implementation="eager")
+
+
+def _llama_loss(apply_fn):
+    def loss_fn(p, batch):
+        ids, labels = batch
+        # An explicit mask and no cache: transformers then reads no tensor's value while tracing.
+        logits = apply_fn(p, input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+    return loss_fn
+
+
+def build(model: str, rank: int):
+    """(loss_fn, params, batch) of `model` for `rank`."""
+    torch.manual_seed(0)
+    if model == "llama":
+        from transformers import LlamaForCausalLM
+
+        apply_fn, params = fs.functionalize(LlamaForCausalLM(_llama_config()))
+        g = torch.Generator().manual_seed(rank)
+        ids = torch.randint(0, 256, (BATCH[model], 64), generator=g)
+        return _llama_loss(apply_fn), params, (ids, torch.roll(ids, -1, 1))
+    from _workloads import Workload
+
+    workload = Workload(model)
+    apply_fn, params = fs.functionalize(workload.build(0))
+
+    def loss_fn(p, batch):
+        return workload.loss(apply_fn(p, batch[0]), batch[1])
+
+    return loss_fn, params, workload.batch(BATCH[model], seed=0, rank=rank, step=0)
+
+
+def _cpu_total(tracker: MemTracker) -> int:
+    for device, categories in tracker.get_tracker_snapshot("peak").items():
+        if torch.device(device).type == "cpu":
+            return int(next(v for k, v in categories.items() if str(getattr(k, "value", k)) == "Total"))
+    return 0
+
+
+def run_world(mesh, models: list[str], schedules: list[str], steps: int, quick: bool) -> list[dict]:
+    """Every rank: calibrate once, then predict and measure every (model, schedule)."""
+    torch.set_num_threads(1)
+    start = time.perf_counter()
+    machine = fs.analysis.calibrate(mesh, quick=quick)
+    calibration_s = time.perf_counter() - start
+    rows = []
+    for model in models:
+        loss_fn, params, batch = build(model, mesh.rank)
+        for name in schedules:
+            step = fs.sharded_step(loss_fn, mesh, optimizer=fs.optim.adamw(lr=1e-3), schedule=SCHEDULES[name])
+            state = step.init(params)
+            state, _ = step(state, batch)  # traces; the warm-up
+            simulation = fs.analysis.simulate(step.lower(state, batch), machine)
+            times = []
+            for _ in range(steps):
+                mesh.all_reduce_flat(torch.zeros(1))
+                t0 = time.perf_counter()
+                state, _ = step(state, batch)
+                elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+                times.append(float(mesh.all_gather_world(elapsed).max()))
+            tracker = MemTracker()
+            tracker.track_external(*fs.tree_leaves(state), *batch)
+            mesh.all_reduce_flat(torch.zeros(1))
+            with tracker:
+                state, _ = step(state, batch)
+            measured_peak = max(mesh.all_gather_world(torch.tensor([_cpu_total(tracker)])).tolist())
+            rows.append(
+                dict(
+                    model=model,
+                    schedule=name,
+                    world=mesh.world_size,
+                    predicted_s=simulation.step_s,
+                    measured_s=statistics.median(times),
+                    measured_min_s=min(times),
+                    measured_max_s=max(times),
+                    exposed_s=simulation.exposed_s,
+                    predicted_peak=simulation.memory.peak,
+                    measured_peak=measured_peak,
+                    calibration_s=calibration_s,
+                )
+            )
+    return rows if mesh.rank == 0 else []
+
+
+def table(rows: list[dict]) -> str:
+    head = ("model", "schedule", "ranks", "predicted ms", "measured ms (min-max)", "time err", "predicted MiB", "measured MiB", "mem err")
+    lines = [" | ".join(head), " | ".join("---" for _ in head)]
+    for r in rows:
+        lines.append(
+            " | ".join(
+                (
+                    r["model"],
+                    r["schedule"],
+                    str(r["world"]),
+                    f"{r['predicted_s'] * 1e3:.1f}",
+                    f"{r['measured_s'] * 1e3:.1f} ({r['measured_min_s'] * 1e3:.0f}-{r['measured_max_s'] * 1e3:.0f})",
+                    f"{(r['predicted_s'] / r['measured_s'] - 1) * 100:+.0f}%",
+                    f"{r['predicted_peak'] / 2**20:.2f}",
+                    f"{r['measured_peak'] / 2**20:.2f}",
+                    f"{(r['predicted_peak'] / r['measured_peak'] - 1) * 100:+.1f}%",
+                )
+            )
+        )
+    return "\n".join(lines)
+
+
+def plan_7b(world_sizes=(8, 64, 1024), *, sequence: int = 2048, device_bytes: int = 80 * 10**9) -> list[dict]:
+    """Llama-7B (32 layers, d 4096, bf16, AdamW) planned on abstract meshes: no allocation."""
+    from transformers import LlamaForCausalLM
+
+    config = _llama_config(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                           num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096, dtype=torch.bfloat16)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    apply_fn, params = fs.functionalize(model)
+    ids = torch.empty(1, sequence, dtype=torch.long, device="meta")
+    rows = []
+    for world in world_sizes:
+        start = time.perf_counter()
+        analysis, compiled = fs.analysis.plan(
+            _llama_loss(apply_fn), params, (ids, ids), mesh=fs.analysis.AbstractMesh({"fsdp": world}), optimizer=fs.optim.adamw(lr=1e-4)
+        )
+        planning_s = time.perf_counter() - start
+        simulation = fs.analysis.simulate(compiled, fs.analysis.h100_sxm(world_size=world))
+        rows.append(dict(world=world, planning_s=planning_s, analysis=analysis, h100_step_s=simulation.step_s,
+                         h100_exposed_s=simulation.exposed_s, fits=analysis.fits(device_bytes)))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--plan", action="store_true")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--worlds", default="2,4")
+    args = parser.parse_args()
+    if args.plan:
+        for r in plan_7b():
+            a = r["analysis"]
+            print(f"Llama-7B on {r['world']} ranks: planned in {r['planning_s']:.1f} s; {a.summary()}")
+            print(f"  fits 80 GB: {r['fits']}; H100 SXM (public specs) predicted step {r['h100_step_s']:.2f} s, "
+                  f"exposed communication {r['h100_exposed_s']:.3f} s")
+        return
+    models = ["mlp"] if args.quick else ["mlp", "gpt", "llama"]
+    schedules = ["default"] if args.quick else list(SCHEDULES)
+    worlds = [2] if args.quick else [int(w) for w in args.worlds.split(",")]
+    rows = []
+    for world in worlds:
+        with fs.testing.LocalWorld(world, call_timeout=1800.0) as local:
+            rows += local.run(run_world, models, schedules, 2 if args.quick else args.steps, args.quick)[0]
+    print(table(rows))
+    errors_t = [abs(r["predicted_s"] / r["measured_s"] - 1) for r in rows]
+    errors_m = [abs(r["predicted_peak"] / r["measured_peak"] - 1) for r in rows]
+    print(f"\ntime: {sum(e <= 0.15 for e in errors_t)}/{len(rows)} within 15% (median error {statistics.median(errors_t) * 100:.0f}%); "
+          f"memory: {sum(e <= 0.10 for e in errors_m)}/{len(rows)} within 10% (max error {max(errors_m) * 100:.1f}%); "
+          f"calibration {rows[0]['calibration_s']:.1f} s per world size")
+
+
+if __name__ == "__main__":
+    main()

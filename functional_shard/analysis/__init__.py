@@ -1,0 +1,29 @@
+"""Analysis of a traced step before it runs, and against how it ran: costs, memory, timelines.
+
+    compiled = step.lower(state, batch)
+    report = fs.analysis.analyze(compiled)      # FLOPs per unit, collective bytes, peak memory
+"""
+
+from ._abstract import AbstractMesh as AbstractMesh
+from ._abstract import abstract_state as abstract_state
+from ._abstract import plan as plan
+from ._analyze import Analysis as Analysis
+from ._calibrate import calibrate as calibrate
+from ._machine import Machine as Machine
+from ._machine import h100_sxm as h100_sxm
+from ._machine import load_machine as load_machine
+from ._simulate import Simulation as Simulation
+from ._simulate import simulate as simulate
+from ._analyze import CollectiveCost as CollectiveCost
+from ._analyze import UnitCost as UnitCost
+from ._analyze import analyze as analyze
+from ._memory import MemoryBreakdown as MemoryBreakdown
+from ._memory import MemoryEstimate as MemoryEstimate
+from ._timeline import Profile as Profile
+from ._timeline import TraceEvent as TraceEvent
+from ._timeline import chrome_trace as chrome_trace
+from ._timeline import plot_gantt as plot_gantt
+from ._timeline import profile as profile
+from ._timeline import save_chrome_trace as save_chrome_trace
+
+__all__ = ["AbstractMesh", "Analysis", "CollectiveCost", "MemoryBreakdown", "Machine", "MemoryEstimate", "Profile", "Simulation", "TraceEvent", "UnitCost", "abstract_state", "analyze", "calibrate", "chrome_trace", "h100_sxm", "load_machine", "plan", "plot_gantt", "profile", "save_chrome_trace", "simulate"]

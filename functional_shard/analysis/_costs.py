@@ -1,0 +1,79 @@
+"""What each node of a traced step costs: floating-point operations and bytes of memory traffic.
+
+Both are read from the shapes in `node.meta["val"]` (fake tensors), so a step that does not
+fit on this machine — or on any — can be costed. FLOPs come from the registry of
+`torch.utils.flop_counter` (what `FlopCounterMode` counts: matrix products, convolutions,
+attention; elementwise ops count 0 there). Bytes are those of the node's tensor inputs and
+outputs, the traffic of a kernel that reads its inputs once and writes its outputs once;
+views and collectives move no bytes through the compute units (a collective's bytes are its
+message, counted separately).
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import NamedTuple
+
+import torch
+from torch import fx
+from torch.utils.flop_counter import flop_registry
+
+__all__ = ["NodeCost", "node_cost", "tensors_of", "is_view", "COLLECTIVE_OPS"]
+
+_C10D = torch.ops._c10d_functional
+# The functional collectives a traced step holds (their own names, not fs.schedule's private tables).
+COLLECTIVE_OPS = frozenset(
+    (
+        _C10D.all_gather_into_tensor.default,
+        _C10D.reduce_scatter_tensor.default,
+        _C10D.all_to_all_single.default,
+        _C10D.all_reduce.default,
+        _C10D.wait_tensor.default,
+    )
+)
+
+
+class NodeCost(NamedTuple):
+    """The cost of one node."""
+
+    flops: int  # floating-point operations (multiply-adds count 2), from torch's flop registry
+    bytes: int  # bytes read and written: its tensor inputs plus its tensor outputs (0 for views)
+    matmul: bool  # whether the FLOPs are a matrix product's (run at matmul throughput)
+
+
+def tensors_of(value) -> list[torch.Tensor]:
+    """The tensors in a node's `meta["val"]` (a tensor, or a tuple/list of them for ops such as split)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in tensors_of(v)]
+    return []
+
+
+def is_view(node: fx.Node) -> bool:
+    """Its output aliases an input without writing it (view, t, split, getitem, ...)."""
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem:
+        return True
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def node_cost(node: fx.Node) -> NodeCost:
+    """FLOPs and bytes of `node` (0 and 0 for placeholders, outputs, views and collectives)."""
+    if node.op != "call_function" or is_view(node) or node.target in COLLECTIVE_OPS:
+        return NodeCost(0, 0, False)
+    outputs = tensors_of(node.meta.get("val"))
+    inputs = [t for a in node.all_input_nodes for t in tensors_of(a.meta.get("val"))]
+    traffic = sum(_nbytes(t) for t in inputs) + sum(_nbytes(t) for t in outputs)
+    packet = getattr(node.target, "overloadpacket", None)
+    flops = 0
+    if packet is not None and packet in flop_registry:
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
+        flops = int(flop_registry[packet](*args, **kwargs, out_val=node.meta.get("val")))
+    return NodeCost(flops, traffic, flops > 0)

@@ -1,0 +1,135 @@
+"""Machine models: the constants the simulator turns FLOPs, bytes and messages into seconds.
+
+A `Machine` is measured on the machine at hand (`fs.analysis.calibrate`) or written from a
+data sheet (`h100_sxm()`). Compute: a node costs a fixed dispatch overhead plus the larger of
+its FLOPs at matrix-product throughput and its bytes at memory bandwidth (a roofline), with
+throughputs that may depend on the size of the operation (small products run far below
+peak on a CPU). Communication: an alpha-beta model per collective kind, with bus bandwidth
+(the ring algorithms' convention): an all-gather or reduce-scatter of a full buffer of `n`
+bytes over `p` ranks takes `latency + (p - 1) / p * n / bandwidth`; an all-reduce twice that.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import json
+import math
+
+__all__ = ["Machine", "h100_sxm", "load_machine"]
+
+
+def _interpolate(points: tuple, x: float) -> float:
+    """Piecewise log-linear interpolation in `points` ((size, value), sorted by size); flat
+    beyond the ends."""
+    if len(points) == 1 or x <= points[0][0]:
+        return points[0][1]
+    if x >= points[-1][0]:
+        return points[-1][1]
+    sizes = [p[0] for p in points]
+    i = bisect.bisect_right(sizes, x)
+    (x0, y0), (x1, y1) = points[i - 1], points[i]
+    w = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
+    return y0 + w * (y1 - y0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Machine:
+    """What one rank's device and its links do per second.
+
+    Attributes:
+        name: a description (where the numbers come from).
+        matmul_flops: ((FLOPs of one product, FLOP/s it runs at), ...), sorted by size.
+        memory_bandwidth: ((bytes one op reads + writes, bytes/s), ...), sorted by size.
+        op_overhead_s: fixed cost of one computing node (Python dispatch of the graph's
+            node, the kernel launch).
+        view_overhead_s: cost of a node that only makes a view (view, split, getitem).
+        collective_latency_s: kind -> alpha (seconds), kinds "all_gather",
+            "reduce_scatter", "all_reduce".
+        collective_bandwidth: kind -> bus bandwidth (bytes/s).
+        issue_overhead_s: time the compute thread spends issuing a collective.
+        overlap_penalty: the fraction of the time a collective and computation overlap that
+            is lost anyway (0: perfect overlap, as with separate copy engines; 1: none, as
+            when the communication thread takes the cores the computation needs).
+    """
+
+    name: str
+    matmul_flops: tuple
+    memory_bandwidth: tuple
+    op_overhead_s: float
+    view_overhead_s: float
+    collective_latency_s: dict
+    collective_bandwidth: dict
+    issue_overhead_s: float = 0.0
+    overlap_penalty: float = 0.0
+
+    def __post_init__(self) -> None:
+        for field in ("matmul_flops", "memory_bandwidth"):
+            points = tuple(sorted((float(a), float(b)) for a, b in getattr(self, field)))
+            if not points or any(b <= 0 for _, b in points):
+                raise ValueError(f"Machine.{field} must hold (size, positive rate) pairs; got {getattr(self, field)!r}")
+            object.__setattr__(self, field, points)
+        for kind in ("all_gather", "reduce_scatter", "all_reduce"):
+            if kind not in self.collective_bandwidth or kind not in self.collective_latency_s:
+                raise ValueError(f"Machine needs a latency and a bandwidth for {kind!r}; got {sorted(self.collective_bandwidth)}")
+        if not 0.0 <= self.overlap_penalty <= 1.0:
+            raise ValueError(f"Machine.overlap_penalty must be in [0, 1]; got {self.overlap_penalty}")
+
+    def __hash__(self) -> int:
+        return hash((self.name, self.matmul_flops, self.memory_bandwidth))
+
+    def compute_seconds(self, flops: int, nbytes: int, *, view: bool = False) -> float:
+        """The time of one node: max(overhead, FLOPs / throughput, bytes / bandwidth). The
+        throughputs are what whole calls reach at that size (dispatch included), so the
+        overhead is a floor, not an addend."""
+        if view:
+            return self.view_overhead_s
+        seconds = nbytes / _interpolate(self.memory_bandwidth, max(nbytes, 1))
+        if flops:
+            seconds = max(seconds, flops / _interpolate(self.matmul_flops, flops))
+        return max(self.op_overhead_s, seconds)
+
+    def collective_seconds(self, kind: str, nbytes: int, group_size: int) -> float:
+        """The time of one collective moving a full buffer of `nbytes` over `group_size` ranks."""
+        if group_size <= 1:
+            return self.collective_latency_s[kind]
+        share = (group_size - 1) / group_size * (2 if kind == "all_reduce" else 1)
+        return self.collective_latency_s[kind] + share * nbytes / self.collective_bandwidth[kind]
+
+    def to_json(self) -> str:
+        """The machine as JSON text (what `save` writes and `load_machine` reads)."""
+        return json.dumps(dataclasses.asdict(self), indent=1)
+
+    def save(self, path: str) -> None:
+        """Write `to_json()` to `path`."""
+        with open(path, "w") as f:
+            f.write(self.to_json())
+
+
+def load_machine(path: str) -> Machine:
+    """A `Machine` saved with `Machine.save` (e.g. by `fs.analysis.calibrate(mesh, path=...)`)."""
+    with open(path) as f:
+        data = json.load(f)
+    return Machine(**{k: tuple(map(tuple, v)) if k in ("matmul_flops", "memory_bandwidth") else v for k, v in data.items()})
+
+
+def h100_sxm(*, ranks_per_node: int = 8, world_size: int = 8) -> Machine:
+    """An NVIDIA H100 SXM from public specifications (no measurement): 989 TFLOP/s dense
+    bf16, 3.35 TB/s HBM3, NVLink 4 at 450 GB/s per direction within a node of
+    `ranks_per_node` GPUs, InfiniBand NDR at 400 Gb/s (50 GB/s) per GPU beyond it. Peak
+    rates are discounted to what large kernels reach (70% of matmul peak, 80% of HBM,
+    80% of link), and small ops pay a few microseconds of launch."""
+    within_node = world_size <= ranks_per_node
+    link = (450e9 if within_node else 50e9) * 0.8
+    latency = 10e-6 if within_node else 25e-6
+    return Machine(
+        name=f"H100 SXM (public specs; {'NVLink' if within_node else 'InfiniBand NDR'} for {world_size} ranks)",
+        matmul_flops=((1e6, 0.05 * 989e12), (1e9, 0.5 * 989e12), (1e11, 0.7 * 989e12)),
+        memory_bandwidth=((1e4, 0.05 * 3.35e12), (1e7, 0.6 * 3.35e12), (1e9, 0.8 * 3.35e12)),
+        op_overhead_s=4e-6,
+        view_overhead_s=0.0,
+        collective_latency_s={"all_gather": latency, "reduce_scatter": latency, "all_reduce": latency},
+        collective_bandwidth={"all_gather": link, "reduce_scatter": link, "all_reduce": link},
+        issue_overhead_s=5e-6,
+        overlap_penalty=0.1,
+    )

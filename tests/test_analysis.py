@@ -1,0 +1,222 @@
+"""`fs.analysis`: analysis before running, planning on an abstract mesh, timelines, simulation.
+
+Planning tests trace on the meta device for an `AbstractMesh` (no process group, nothing
+allocated); the timeline and memory tests run a real GPT step at world size 2 (gloo).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import functional_shard as fs
+from functional_shard.models import GPT, GPTConfig
+
+GPT_SHAPE = dict(vocab_size=67, block_size=32, n_layer=3, n_head=2, d_model=40)  # odd sizes: padding
+
+
+def gpt_loss(apply_fn):
+    def loss_fn(p, batch):
+        inputs, targets = batch
+        return F.cross_entropy(apply_fn(p, inputs).flatten(0, 1), targets.flatten())
+
+    return loss_fn
+
+
+def meta_gpt():
+    with torch.device("meta"):
+        model = GPT(GPTConfig(**GPT_SHAPE))
+    return fs.functionalize(model)
+
+
+def meta_batch(batch: int = 2, sequence: int = 32):
+    tokens = torch.empty(batch, sequence, dtype=torch.long, device="meta")
+    return tokens, tokens
+
+
+@pytest.mark.parametrize("world", [1, 8, 64, 1024])
+@pytest.mark.parametrize("reshard", [True, False])
+def test_bytes_per_step_are_3psi_or_2psi(world, reshard):
+    apply_fn, params = meta_gpt()
+    mesh = fs.analysis.AbstractMesh({"fsdp": world})
+    schedule = fs.Schedule(reshard_after_forward=reshard)
+    analysis, compiled = fs.analysis.plan(gpt_loss(apply_fn), params, meta_batch(), mesh=mesh, optimizer=fs.optim.adamw(lr=1e-3), schedule=schedule)
+    psi = sum(p.numel() for p in fs.tree_leaves(params))
+    layout = compiled.key.layout
+    padded = sum(b.padded_numel for b in layout.buffers if b.trainable)
+    # Padding: less than one element per rank and buffer.
+    assert psi <= padded < psi + world * len(layout.buffers)
+    itemsize = 4
+    gathers = 2 if reshard else 1
+    assert analysis.all_gather_bytes == gathers * padded * itemsize
+    assert analysis.reduce_scatter_bytes == padded * itemsize
+    assert analysis.all_gather_bytes + analysis.reduce_scatter_bytes == (3 if reshard else 2) * padded * itemsize
+    assert all(c.group_size == world for c in analysis.collectives if c.kind != "all_reduce")
+
+
+def test_flops_per_unit_match_flop_counter():
+    """The FLOPs of the traced step equal torch's FlopCounterMode over a plain forward+backward
+    of the model (the optimizer and collectives add none)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**GPT_SHAPE))
+    apply_fn, params = fs.functionalize(model)
+    analysis, _ = fs.analysis.plan(
+        gpt_loss(apply_fn), params, meta_batch(), mesh=fs.analysis.AbstractMesh({"fsdp": 4}), optimizer=fs.optim.adamw(lr=1e-3)
+    )
+    tokens = torch.randint(0, GPT_SHAPE["vocab_size"], (2, 32))
+    with torch.utils.flop_counter.FlopCounterMode(display=False) as counter:
+        F.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()).backward()
+    assert analysis.flops == counter.get_total_flops()
+    by_unit = {u.unit: u for u in analysis.units}
+    blocks = [by_unit[f"blocks.{i}"] for i in range(GPT_SHAPE["n_layer"])]
+    assert len({(b.forward_flops, b.backward_flops) for b in blocks}) == 1  # identical blocks, identical costs
+    assert all(b.backward_flops == 2 * b.forward_flops for b in blocks)  # dX and dW: two products per product
+    assert by_unit[""].forward_flops == by_unit[""].backward_flops == 0  # the head belongs to the tied unit
+
+
+def test_peak_memory_parts_and_fit():
+    apply_fn, params = meta_gpt()
+    world = 8
+    analysis, compiled = fs.analysis.plan(
+        gpt_loss(apply_fn), params, meta_batch(), mesh=fs.analysis.AbstractMesh({"fsdp": world}), optimizer=fs.optim.adamw(lr=1e-3)
+    )
+    memory = analysis.memory
+    shard_bytes = sum(b.shard_numel for b in compiled.key.layout.buffers) * 4
+    # At the peak (in the backward) the state is alive: shards, Adam's two moments, its count and
+    # the per-step scalars (learning rate, ...: a few 0-d tensors).
+    assert memory.breakdown.parameters == shard_bytes
+    assert 2 * shard_bytes < memory.breakdown.optimizer_state <= 2 * shard_bytes + 64
+    assert memory.breakdown.total == memory.peak
+    assert memory.peak == max(memory.timeline) and memory.resident <= memory.peak
+    largest_unit = max(b.nbytes for b in compiled.key.layout.buffers)
+    assert 0 < memory.breakdown.gathered <= 2 * largest_unit  # prefetch 1: at most two units gathered
+    assert analysis.fits(memory.peak) and not analysis.fits(memory.peak - 1)
+
+
+def test_abstract_mesh_refuses_real_tensors():
+    mesh = fs.analysis.AbstractMesh({"replicate": 2, "fsdp": 4})
+    assert (mesh.world_size, mesh.num_shards) == (8, 4)
+    with pytest.raises(RuntimeError, match="no other ranks"):
+        mesh.all_gather_flat(torch.zeros(3))
+    with pytest.raises(ValueError, match="positive int"):
+        fs.analysis.AbstractMesh({"fsdp": 0})
+
+
+def _profile_gpt(mesh):
+    torch.manual_seed(0)
+    apply_fn, params = fs.functionalize(GPT(GPTConfig(**GPT_SHAPE)))
+    step = fs.sharded_step(gpt_loss(apply_fn), mesh, optimizer=fs.optim.adamw(lr=1e-3))
+    state = step.init(params)
+    g = torch.Generator().manual_seed(mesh.rank)
+    tokens = torch.randint(0, GPT_SHAPE["vocab_size"], (2, 32), generator=g)
+    batch = (tokens, tokens)
+    before = [t.clone() for t in fs.tree_leaves(state)]
+    result = fs.analysis.profile(step, state, batch, repeat=1)
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, fs.tree_leaves(state)))
+    predicted = fs.analysis.analyze(step.lower(state, batch))
+    return result, unchanged, [c.unit for c in predicted.collectives if c.kind == "all_gather"]
+
+
+def test_profile_chrome_trace(local_world, tmp_path):
+    results = local_world(2).run(_profile_gpt)
+    result, unchanged, gathered_units = results[0]
+    assert all(r[1] for r in results), "profile must not modify the state"
+    path = tmp_path / "trace.json"
+    fs.analysis.save_chrome_trace(result, str(path))
+    trace = json.loads(path.read_text())
+    events = [e for e in trace["traceEvents"] if e["ph"] in ("X", "i")]
+    for e in events:
+        assert {"ph", "ts", "pid", "tid", "name"} <= set(e) and (e["ph"] == "i" or e["dur"] >= 0), e
+    assert {e["pid"] for e in events} == {0, 1}
+    names = {(m["pid"], m["tid"]): m["args"]["name"] for m in trace["traceEvents"] if m["ph"] == "M" and m["name"] == "thread_name"}
+    assert names == {(0, 0): "compute", (0, 1): "communication", (1, 0): "compute", (1, 1): "communication"}
+    for rank in (0, 1):
+        mine = [e for e in events if e["pid"] == rank]
+        compute = sorted((e for e in mine if e["tid"] == 0 and e["ph"] == "X"), key=lambda e: (e["ts"], -e["dur"]))
+        # Complete events on one thread nest: each one lies inside or after the ones before it.
+        stack: list[float] = []
+        for e in compute:
+            while stack and e["ts"] >= stack[-1] - 1e-3:
+                stack.pop()
+            assert not stack or e["ts"] + e["dur"] <= stack[-1] + 1e-3, f"{e['name']} overlaps its enclosing event"
+            stack.append(e["ts"] + e["dur"])
+        phases = [e for e in compute if e["cat"] == "phase"]
+        assert [e["name"] for e in phases] == ["forward", "backward", "update"]
+        assert all(a["ts"] + a["dur"] <= b["ts"] + 1e-3 for a, b in zip(phases, phases[1:]))
+        regions = {e["name"] for e in compute if e["cat"] == "region"}
+        blocks = [f"blocks.{i}" for i in range(GPT_SHAPE["n_layer"])]
+        assert {f"{b} forward" for b in blocks} | {f"{b} backward" for b in blocks} <= regions
+        # Forward regions in block order, backward regions in reverse.
+        start = {e["name"]: e["ts"] for e in compute if e["cat"] == "region"}
+        assert [start[f"{b} forward"] for b in blocks] == sorted(start[f"{b} forward"] for b in blocks)
+        assert [start[f"{b} backward"] for b in blocks] == sorted((start[f"{b} backward"] for b in blocks), reverse=True)
+        # Every collective is issued before it is waited, and each wait lies in its collective's flight.
+        flights = [e for e in mine if e["tid"] == 1]
+        assert [e["name"] for e in flights if e["name"].startswith("all_gather")] == [f"all_gather {u}" for u in gathered_units]
+        waits = [e for e in compute if e["cat"] == "wait"]
+        assert len(waits) == len(flights)
+        for wait, flight in zip(sorted(waits, key=lambda e: e["ts"]), sorted(flights, key=lambda e: e["ts"])):
+            assert wait["name"] == "wait " + flight["name"]
+            assert flight["ts"] <= wait["ts"] + 1e-3 and wait["ts"] + wait["dur"] <= flight["ts"] + flight["dur"] + 1e-3
+        frees = [e for e in mine if e["ph"] == "i"]
+        assert len(frees) == len(gathered_units)
+    assert result.marks > 0 and result.plain_step_s > 0 and result.marked_step_s > 0
+    fs.analysis.plot_gantt(result, str(tmp_path / "gantt.png"))
+    assert (tmp_path / "gantt.png").stat().st_size > 10_000
+
+
+def test_simulate_on_h100_spec_plans_and_orders_schedules():
+    """The simulator on a data-sheet machine: a step's time is at least its compute and its
+    exposed communication, and resharding (more bytes) is never predicted faster than
+    keeping the gathered parameters, nor prefetching slower than gathering on demand."""
+    apply_fn, params = meta_gpt()
+    machine = fs.analysis.h100_sxm(world_size=64)
+    results = {}
+    for name, schedule in {
+        "default": fs.Schedule(),
+        "prefetch 0": fs.Schedule(prefetch=0),
+        "no reshard": fs.Schedule(reshard_after_forward=False),
+    }.items():
+        _, compiled = fs.analysis.plan(
+            gpt_loss(apply_fn), params, meta_batch(), mesh=fs.analysis.AbstractMesh({"fsdp": 64}), optimizer=fs.optim.adamw(lr=1e-3), schedule=schedule
+        )
+        sim = fs.analysis.simulate(compiled, machine)
+        assert sim.step_s >= sim.compute_s + sim.exposed_s - 1e-12
+        assert sim.exposed_s <= sim.communication_s + 1e-12
+        assert sim.memory.peak == fs.analysis.analyze(compiled).memory.peak
+        results[name] = sim
+    assert results["no reshard"].communication_s < results["default"].communication_s
+    assert results["default"].exposed_s <= results["prefetch 0"].exposed_s
+    trace = fs.analysis.chrome_trace(results["default"].as_profile())
+    assert any(e["ph"] == "X" and e["tid"] == 1 for e in trace["traceEvents"])
+
+
+def test_machine_json_round_trip(tmp_path):
+    machine = fs.analysis.h100_sxm()
+    machine.save(str(tmp_path / "m.json"))
+    assert fs.analysis.load_machine(str(tmp_path / "m.json")) == machine
+    with pytest.raises(ValueError, match="all_reduce"):
+        fs.analysis.Machine("x", ((1, 1.0),), ((1, 1.0),), 0.0, 0.0, {"all_gather": 0, "reduce_scatter": 0}, {"all_gather": 1, "reduce_scatter": 1})
+
+
+def test_simulator_benchmark_quick_mode_runs_and_reports():
+    """`benchmarks/simulator.py --quick`: calibrates, predicts and measures one case, prints
+    the table (no threshold on the figures: timings here are noisy)."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run(
+        [sys.executable, os.path.join(root, "benchmarks", "simulator.py"), "--quick"], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [line for line in out.stdout.splitlines() if line.startswith("mlp | default | 2 |")]
+    assert len(rows) == 1, out.stdout
+    predicted_ms, measured = rows[0].split(" | ")[3:5]
+    assert float(predicted_ms) > 0 and float(measured.split()[0]) > 0
+    assert "within 15%" in out.stdout
