@@ -47,14 +47,17 @@ def model_of(name: str) -> torch.nn.Module:
     return build(name)
 
 
-def run_steps(mesh, name: str, schedule: fs.Schedule, steps: int = STEPS):
+def run_steps(mesh, name: str, schedule: fs.Schedule, steps: int = STEPS, *, has_aux: bool = False, **options):
     apply_fn, params = fs.functionalize(model_of(name))
 
     def loss_fn(p, batch):
         x, y = batch
-        return cross_entropy(apply_fn(p, x), y)
+        logits = apply_fn(p, x)
+        loss = cross_entropy(logits, y)
+        return (loss, logits.argmax(-1)) if has_aux else loss
 
-    step = fs.sharded_step(loss_fn, mesh, optimizer=fs.optim.adamw(lr=1e-2, weight_decay=0.1), schedule=schedule)
+    optimizer = fs.optim.adamw(lr=1e-2, weight_decay=0.1)
+    step = fs.sharded_step(loss_fn, mesh, optimizer=optimizer, schedule=schedule, has_aux=has_aux, **options)
     state = step.init(params, seed=7)
     metrics = None
     data = "gpt" if name.startswith("gpt") else name
@@ -150,6 +153,32 @@ def test_recomputed_nodes_read_the_backward_gather(local_world):
     assert out["remat after reshard"]["freed in forward"] == ["rest"], out
     assert out["blocks.0 only"]["rematerialized"] == ["blocks.0"], out
     assert out["a function"]["rematerialized"] == ["blocks.1"], out
+
+
+def other_features(mesh) -> dict:
+    """BatchNorm (its running statistics are written by an op whose schema does not say so),
+    an aux output, bf16 parameters: remat=True gives the eager reference's bits."""
+    out = {}
+    for label, name, options in (
+        ("batch norm", "cnn", {}),
+        ("aux", "mlp", {"has_aux": True}),
+        ("bf16", "gpt", {"precision": fs.Precision(param_dtype=torch.bfloat16)}),
+    ):
+        reference, reference_metrics, _ = run_steps(mesh, name, fs.Schedule(trace=False), **options)
+        state, metrics, step = run_steps(mesh, name, fs.Schedule(remat=True), **options)
+        out[label] = (
+            all(torch.equal(a, b) for a, b in zip(fs.tree_leaves(state), fs.tree_leaves(reference)))
+            and all(torch.equal(a, b) for a, b in zip(fs.tree_leaves(metrics.get("aux")), fs.tree_leaves(reference_metrics.get("aux"))))
+            and len(fs.schedule.rematerialized(step.schedule_events)) == 3 - (name == "gpt")
+        )
+    with pytest.raises(ValueError, match="microbatches"):
+        run_steps(mesh, "gpt", fs.Schedule(remat=True), steps=1, microbatches=3)
+    return out
+
+
+def test_batch_norm_aux_and_mixed_precision_keep_their_bits(local_world):
+    for out in local_world(2).run(other_features):
+        assert all(out.values()), out
 
 
 # --- memory ------------------------------------------------------------------------------------------

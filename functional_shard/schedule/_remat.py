@@ -33,6 +33,17 @@ _RECOMPUTED_KEY = "fs_recomputed"
 
 Units = bool | tuple[str, ...] | Callable[[str], bool]
 
+# Ops that write arguments their schema does not mark as written: batch norm in training mode
+# updates its running statistics (arguments 3 and 4) in place. Op -> indices of those arguments.
+_UNDECLARED_WRITES = {
+    op: (3, 4)
+    for op in (
+        getattr(getattr(torch.ops.aten, name, None), "default", None)
+        for name in ("native_batch_norm", "batch_norm", "_batch_norm_impl_index", "cudnn_batch_norm", "miopen_batch_norm")
+    )
+    if op is not None
+}
+
 
 @dataclasses.dataclass(frozen=True)
 class rematerialize(Pass):
@@ -88,6 +99,15 @@ class rematerialize(Pass):
         position = positions(gm)
         end_node = forward_end(gm)
         end = position[end_node]
+        if any(c.kind == "reduce_scatter" and position[c.issue] <= end for c in collectives(gm)):
+            # With micro-batches the step's loss (the marked end of the forward) is computed after
+            # every micro-batch's backward, so "after the forward" does not mean "the backward".
+            raise ValueError(
+                "rematerialize: this step's graph runs backward passes before the end of its forward "
+                "(sharded_step(..., microbatches=k) with k > 1), which the pass does not support yet: use "
+                "microbatches=1 with fs.Schedule(remat=...), or remat=False with micro-batches (each micro-batch's "
+                "activations are already 1/k of the batch's)"
+            )
         parameters = _gathered_parameters(gm, position, end)
         known = list(dict.fromkeys(parameters.values()))
         if isinstance(self.units, tuple):
@@ -180,6 +200,9 @@ def _storages(gm: fx.GraphModule, position: dict) -> tuple[dict[fx.Node, fx.Node
         schema = _schema(node)
         if schema is None:
             continue
+        for i in _UNDECLARED_WRITES.get(node.target, ()):
+            for n in _nodes_in(node.args[i] if i < len(node.args) else None):
+                last_write[root[n]] = position[node]
         returned = set().union(*(r.alias_info.before_set for r in schema.returns if r.alias_info is not None))
         for argument, value in _arguments(node, schema):
             info = argument.alias_info
@@ -204,7 +227,7 @@ def _recomputable(node: fx.Node, root: dict, last_write: dict, position: dict) -
         return False
     if node.target is not operator.getitem:
         schema = _schema(node)
-        if schema is None or schema.is_mutable or _is_random(node):
+        if schema is None or schema.is_mutable or node.target in _UNDECLARED_WRITES or _is_random(node):
             return False
         if node.target is WAIT_OP or node.target.namespace == "_c10d_functional":
             return False
