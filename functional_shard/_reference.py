@@ -14,7 +14,10 @@ belong to (`_tracing`), which is how the jit's schedule finds its way around the
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+import contextlib
+import os
+import traceback
+from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 
@@ -232,7 +235,31 @@ def _sharded_gradients(fn: StepFunction, layout: Layout, shards, trainable, froz
                 out = fn.loss_fn(layout.assemble(leaves, local), micro)
         return _objective(fn, out, scale)
 
-    return torch.func.grad(local_loss, has_aux=True)(tuple(shards[k] for k in trainable), local)
+    with _no_torch_checkpoint():
+        return torch.func.grad(local_loss, has_aux=True)(tuple(shards[k] for k in trainable), local)
+
+
+_TORCH_CHECKPOINT = os.path.join("torch", "utils", "checkpoint.py")
+
+
+@contextlib.contextmanager
+def _no_torch_checkpoint() -> Iterator[None]:
+    """`torch.utils.checkpoint` in `loss_fn` fails under `torch.func.grad` (saved tensor hooks,
+    or an autograd.Function without setup_context): re-raise its error as one that names the
+    way that works, rematerialization on the traced graph."""
+    try:
+        yield
+    except RuntimeError as error:
+        if not any(f.filename.endswith(_TORCH_CHECKPOINT) for f in traceback.extract_tb(error.__traceback__)):
+            raise
+        detail = str(error).strip().splitlines()[0][:200] if str(error).strip() else ""
+        raise StepError(
+            f"torch.utils.checkpoint cannot run inside loss_fn: the step differentiates loss_fn with "
+            f"torch.func.grad, which does not support it (RuntimeError: {detail}). Call the function without "
+            f"checkpoint and let the step rematerialize instead: sharded_step(..., schedule=fs.Schedule(remat=True)) "
+            f"recomputes every unit's forward right before its backward (or remat=('blocks.0', ...) for some "
+            f"units, or a function unit -> bool), with the same bits; it applies to traced steps (trace=True)"
+        ) from error
 
 
 def _full_gradients(fn: StepFunction, layout: Layout, shards, trainable, frozen_leaves, local, micro, scale):
@@ -257,7 +284,8 @@ def _full_gradients(fn: StepFunction, layout: Layout, shards, trainable, frozen_
                 out = fn.loss_fn(layout.assemble(leaves, local), micro)
         return _objective(fn, out, scale)
 
-    grads, extras = torch.func.grad(local_loss, has_aux=True)(tuple(fulls), local)
+    with _no_torch_checkpoint():
+        grads, extras = torch.func.grad(local_loss, has_aux=True)(tuple(fulls), local)
     return [g.to(layout.buffers[k].reduce_dtype) for k, g in zip(trainable, grads)], local, extras
 
 

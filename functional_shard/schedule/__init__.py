@@ -2,20 +2,23 @@
 
 A traced step is one `torch.fx` graph: per-unit all-gathers, forward, backward (with a
 reduce-scatter per unit), optimizer update. A *pass* moves collective nodes (never the
-computation), so every schedule computes the same bits. Passes are values — small frozen
-dataclasses called as `pass_(gm, context) -> gm` — and a schedule is an ordered list of them,
-in the spirit of optax's `chain`: reorder, replace or drop the built-in ones, add your own.
+computation; `rematerialize` repeats some of it, op for op), so every schedule computes the
+same bits. Passes are values — small frozen dataclasses called as `pass_(gm, context) -> gm`
+— and a schedule is an ordered list of them, in the spirit of optax's `chain`: reorder,
+replace or drop the built-in ones, add your own.
 
 - config (`_schedule.py`): `Schedule` (the convenient form expands to `default_passes(...)`,
   read back as `schedule.pass_list`), `apply_schedule(gm, schedule, context)`;
 - passes (`_passes.py`): `reshard_after_forward`, `prefetch`, `early_reduce_scatter`,
   `bucket_gathers`, `limit_in_flight`, `function_pass`, the base `Pass`, and `PassContext`
   (what the mesh allows: `max_collectives_in_flight`, world size, shards);
+- rematerialization (`_remat.py`): `rematerialize`, the one pass that adds computation — it
+  recomputes chosen units' forward values before their backward (same bits, less memory);
 - graph tools (`_graph.py`): the typed record of each collective (`CollectiveTag`, `tag`,
   `tag_of`), the end of the forward (`mark_forward_end`, `forward_end`), `collectives(gm)`,
   `aliases`, `uses`, `move_before`, `move_early`;
 - analysis (`_analysis.py`): `analyze(gm)` reads the applied schedule back out of the final
-  graph as `ScheduleEvent`s; `explain`, `max_units_alive`, `max_in_flight`.
+  graph as `ScheduleEvent`s; `explain`, `max_units_alive`, `max_in_flight`, `rematerialized`.
 """
 
 from ._analysis import ScheduleEvent as ScheduleEvent
@@ -23,6 +26,7 @@ from ._analysis import analyze as analyze
 from ._analysis import explain as explain
 from ._analysis import max_in_flight as max_in_flight
 from ._analysis import max_units_alive as max_units_alive
+from ._analysis import rematerialized as rematerialized
 from ._graph import ISSUE_OPS as ISSUE_OPS
 from ._graph import WAIT_OP as WAIT_OP
 from ._graph import Collective as Collective
@@ -45,6 +49,7 @@ from ._context import function_pass as function_pass
 from ._passes import limit_in_flight as limit_in_flight
 from ._passes import prefetch as prefetch
 from ._passes import reshard_after_forward as reshard_after_forward
+from ._remat import rematerialize as rematerialize
 from ._schedule import Schedule as Schedule
 from ._schedule import apply_schedule as apply_schedule
 from ._schedule import default_passes as default_passes
@@ -63,6 +68,7 @@ __all__ = [
     "early_reduce_scatter",
     "bucket_gathers",
     "limit_in_flight",
+    "rematerialize",
     # graph tools
     "CollectiveTag",
     "Member",
@@ -82,4 +88,5 @@ __all__ = [
     "explain",
     "max_units_alive",
     "max_in_flight",
+    "rematerialized",
 ]

@@ -7,6 +7,7 @@ from typing import NamedTuple, Sequence
 from torch import fx
 
 from ._graph import aliases, collectives, positions, uses
+from ._remat import recomputed_bytes, recomputed_units
 
 
 _PREFIX = {"all_gather": "gather", "reduce_scatter": "reduce_scatter", "all_reduce": "all_reduce"}
@@ -18,15 +19,17 @@ class ScheduleEvent(NamedTuple):
     position: int  # index of the node in the final graph
     unit: str  # the unit whose buffer the collective moves ("" for the loss all-reduce)
     buffer: str  # the flat buffer (a unit may hold several: frozen, other dtypes)
-    event: str  # gather_issued | gather_waited | freed | reduce_scatter_issued | reduce_scatter_waited | all_reduce_issued | all_reduce_waited
+    event: str  # gather_issued | gather_waited | freed | reduce_scatter_issued | reduce_scatter_waited | all_reduce_issued | all_reduce_waited | recomputed
     phase: str  # forward | backward | update
-    node: str  # the graph node's name
-    nbytes: int  # bytes of the full (unsharded, padded) buffer this collective moves
+    node: str  # the graph node's name (for recomputed: the first recomputed node)
+    nbytes: int  # bytes of the full (unsharded, padded) buffer this collective moves (recomputed: bytes the recomputed nodes allocate)
 
 
 def analyze(gm: fx.GraphModule) -> list[ScheduleEvent]:
-    """The schedule applied in `gm`: every collective's issue and wait, and where each gathered
-    buffer is freed (its last read through any alias), sorted by graph position."""
+    """The schedule applied in `gm`: every collective's issue and wait, where each gathered
+    buffer is freed (its last read through any alias), and where each rematerialized unit's
+    forward is recomputed (`rematerialize`: one `recomputed` event per unit, at its first
+    recomputed node, buffer ""), sorted by graph position."""
     position = positions(gm)
     events = []
     for c in collectives(gm):
@@ -41,6 +44,9 @@ def analyze(gm: fx.GraphModule) -> list[ScheduleEvent]:
             if c.kind == "all_gather":
                 last = max(uses(root) + aliases(root), key=position.__getitem__)
                 events.append(event("freed", last))
+    for unit, nodes in recomputed_units(gm).items():
+        first = nodes[0]
+        events.append(ScheduleEvent(position[first], unit, "", "recomputed", "backward", first.name, recomputed_bytes(nodes)))
     return sorted(events, key=lambda e: (e.position, e.event))
 
 
@@ -90,6 +96,11 @@ def max_in_flight(events: Sequence[ScheduleEvent], kind: str | None = None) -> i
     return max((sum(start <= p < end for start, _, end in intervals) for p, _, _ in intervals), default=0)
 
 
+def rematerialized(events: Sequence[ScheduleEvent]) -> list[str]:
+    """The units whose forward the backward recomputes (`rematerialize`), in graph order."""
+    return [e.unit for e in events if e.event == "recomputed"]
+
+
 def explain(events: Sequence[ScheduleEvent], *, title: str = "") -> str:
     """A readable table of a schedule: one row per event, in graph order."""
     rows = [("pos", "phase", "event", "unit", "buffer", "MiB", "node")]
@@ -108,4 +119,7 @@ def explain(events: Sequence[ScheduleEvent], *, title: str = "") -> str:
         f"at most {max_units_alive(events)} units' full parameters alive at once, "
         f"at most {max_in_flight(events)} collectives in flight"
     )
+    recomputed = rematerialized(events)
+    if recomputed:
+        lines.append(f"rematerialized (forward recomputed before the backward): {', '.join(recomputed)}")
     return "\n".join(lines)

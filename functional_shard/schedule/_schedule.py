@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 from torch import fx
 
@@ -11,6 +11,7 @@ from ._analysis import analyze, in_flight_intervals
 from . import _passes
 from ._context import Pass, PassContext, as_pass
 from ._passes import _FrozenMapping
+from ._remat import rematerialize
 
 
 def default_passes(
@@ -21,17 +22,26 @@ def default_passes(
     reduce_scatters_in_flight: int | None = None,
     bucket_bytes: int = 0,
     extra_passes: Sequence = (),
+    remat=False,
 ) -> tuple[Pass, ...]:
     """The pass list `Schedule(...)` expands to, in order:
 
+        rematerialize(remat),                # only when remat is not False
         reshard_after_forward(reshard_after_forward, default=default_reshard),
         prefetch(prefetch),
         early_reduce_scatter(in_flight=reduce_scatters_in_flight),
         bucket_gathers(bucket_bytes),        # only when bucket_bytes > 0
         *extra_passes,                       # plain functions gm -> gm are wrapped
         limit_in_flight(),                   # the mesh's max_collectives_in_flight
+
+    `rematerialize` comes first because it adds computation to the backward that reads the
+    units' gathered parameters: `reshard_after_forward` then gives those reads, like every
+    other backward read, the backward's own all-gather (after it, they would keep the
+    forward's gathered copy alive until the backward), and `prefetch` places that gather
+    before the first recomputed node, which is the unit's first backward use.
     """
-    passes = [
+    passes = [rematerialize(remat)] if remat is not False and remat != () else []
+    passes += [
         _passes.reshard_after_forward(reshard_after_forward, default=default_reshard),
         _passes.prefetch(prefetch),
         _passes.early_reduce_scatter(in_flight=reduce_scatters_in_flight),
@@ -46,7 +56,7 @@ class Schedule:
     """How `sharded_step` runs a step: eagerly, or traced and scheduled by a list of passes.
 
     The fields `prefetch`, `reshard_after_forward`, `default_reshard`,
-    `reduce_scatters_in_flight`, `bucket_bytes` and `extra_passes` are the convenient form:
+    `reduce_scatters_in_flight`, `bucket_bytes`, `extra_passes` and `remat` are the convenient form:
     they build the default pass list (`default_passes`, read back as `pass_list`). `passes`
     gives the list itself instead (then those fields must keep their defaults).
 
@@ -75,6 +85,12 @@ class Schedule:
             passes, run in the order given (plain functions are wrapped in `function_pass`).
             On a mesh that bounds the collectives in flight (gloo), the scheduled graph must
             respect that bound: end the list with `fs.schedule.limit_in_flight()`.
+        remat: rematerialization (activation checkpointing, `fs.schedule.rematerialize`): the
+            chosen units' forward values that the backward reads are recomputed right before
+            their backward, instead of being kept from forward to backward; what stays alive
+            is each unit's input (the residual stream between blocks). True for every unit,
+            a tuple of unit names, or a function `unit -> bool`; False (default) for none.
+            Same bits, less memory, about one more forward of compute. Traced steps only.
         compile: hand the scheduled graph to `torch.compile` (inductor); results then agree
             with the eager reference to fp32 rounding instead of bit for bit.
         accumulate: with `sharded_step(..., microbatches=k)`, how gradients add up over the
@@ -97,6 +113,7 @@ class Schedule:
     passes: tuple[Pass, ...] | None = None
     compile: bool = False
     accumulate: str = "sharded"
+    remat: bool | tuple[str, ...] | Callable[[str], bool] = False
 
     def __post_init__(self) -> None:
         if self.accumulate not in ("sharded", "full"):
@@ -105,6 +122,9 @@ class Schedule:
             # Frozen dataclasses should hold hashable values: keep the mapping as sorted pairs.
             object.__setattr__(self, "reshard_after_forward", _FrozenMapping(self.reshard_after_forward))
         object.__setattr__(self, "extra_passes", tuple(as_pass(p) for p in self.extra_passes))
+        if self.remat is not False:
+            # Checked and normalized (a list becomes a tuple) as the pass value does it.
+            object.__setattr__(self, "remat", rematerialize(self.remat).units)
         if self.passes is not None:
             object.__setattr__(self, "passes", tuple(as_pass(p) for p in self.passes))
             changed = [
@@ -143,6 +163,7 @@ class Schedule:
             reduce_scatters_in_flight=self.reduce_scatters_in_flight,
             bucket_bytes=self.bucket_bytes,
             extra_passes=self.extra_passes,
+            remat=self.remat,
         )
 
     def reshards(self, unit: str) -> bool:
@@ -157,6 +178,7 @@ _CONVENIENT_FIELDS = {
     "reduce_scatters_in_flight",
     "bucket_bytes",
     "extra_passes",
+    "remat",
 }
 
 

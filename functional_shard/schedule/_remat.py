@@ -1,0 +1,312 @@
+"""Rematerialization (activation checkpointing) as a pass over the traced step.
+
+`torch.utils.checkpoint` cannot run under `torch.func.grad` (which the step differentiates
+`loss_fn` with), so the step recomputes on its graph instead: for each chosen unit, the
+forward nodes whose values the backward reads are copied, and the copies — computed from the
+values the unit keeps — are inserted right before the unit's first backward read, which now
+reads them. The originals then die during the forward, as a checkpointed block's activations
+do: what stays alive from forward to backward is each unit's inputs (the residual stream
+between blocks), the values that cannot be recomputed, and the parameters' shards.
+
+The same ops run on the same inputs, so every value, and the step's result, keeps its bits.
+Never recomputed (their outputs are kept): random ops (`bernoulli`, `native_dropout`,
+`rand*`: recomputing would draw new masks), ops that write their inputs and nodes whose
+storage is written after them, collectives, and views of the gathered parameters (the
+recomputed nodes read those, so `reshard_after_forward`, run after this pass, redirects them
+to the backward's own all-gather like any other backward read).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Callable
+
+import torch
+from torch import fx
+
+from ._context import Pass, PassContext
+from ._graph import _FORWARD_END_KEY, WAIT_OP, _is_view, _schema, aliases, collectives, forward_end, positions
+
+# The `node.meta` key of a recomputed node: the unit whose forward it recomputes.
+_RECOMPUTED_KEY = "fs_recomputed"
+
+Units = bool | tuple[str, ...] | Callable[[str], bool]
+
+# Ops that write arguments their schema does not mark as written: batch norm in training mode
+# updates its running statistics (arguments 3 and 4) in place. Op -> indices of those arguments.
+_UNDECLARED_WRITES = {
+    op: (3, 4)
+    for op in (
+        getattr(getattr(torch.ops.aten, name, None), "default", None)
+        for name in ("native_batch_norm", "batch_norm", "_batch_norm_impl_index", "cudnn_batch_norm", "miopen_batch_norm")
+    )
+    if op is not None
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class rematerialize(Pass):
+    """Recompute the chosen units' forward values right before their backward reads them,
+    instead of keeping them from forward to backward (activation checkpointing per unit).
+
+    A forward node belongs to the unit whose gathered parameters it reads, or, reading none,
+    to the unit of the latest parameter read it depends on (a block's nodes to that block;
+    a final norm and head to the unit that holds them). A unit keeps the values it reads from
+    outside (its input: the residual stream) and the values other units read from it; the rest
+    of what its backward reads is recomputed, in one place, before the first such read.
+
+    The unit whose forward computes the loss is not recomputed: the backward reads its values
+    as soon as the forward ends, so recomputing them would cost compute and save nothing.
+
+    Arguments:
+        units: True recomputes every unit, False none; a tuple of unit names (e.g.
+            `("blocks.0", "blocks.1")`) those; a function `unit -> bool` the units it accepts.
+
+    Run it before `reshard_after_forward`: the recomputed nodes read the unit's gathered
+    parameters in the backward, and that pass gives such reads the backward's own all-gather
+    (run after it, they would keep the forward's gathered copy alive; the bits are the same).
+    """
+
+    units: Units = True
+
+    def __post_init__(self) -> None:
+        units = self.units
+        if isinstance(units, str):
+            units = (units,)
+        elif isinstance(units, (list, set, frozenset)):
+            units = tuple(sorted(units)) if isinstance(units, (set, frozenset)) else tuple(units)
+        if isinstance(units, tuple):
+            if not all(isinstance(u, str) for u in units):
+                raise TypeError(f"rematerialize.units must name units with strings; got {units!r}")
+        elif not isinstance(units, bool) and not callable(units):
+            raise TypeError(
+                f"rematerialize.units must be a bool, a tuple of unit names or a function unit -> bool; got {units!r}"
+            )
+        object.__setattr__(self, "units", units)
+
+    def chooses(self, unit: str) -> bool:
+        """Whether `unit` is asked to be recomputed (the loss's unit never is, see above)."""
+        if isinstance(self.units, bool):
+            return self.units
+        if isinstance(self.units, tuple):
+            return unit in self.units
+        return bool(self.units(unit))
+
+    def __call__(self, gm: fx.GraphModule, context: PassContext) -> fx.GraphModule:
+        if self.units is False or self.units == ():
+            return gm
+        position = positions(gm)
+        end_node = forward_end(gm)
+        end = position[end_node]
+        if any(c.kind == "reduce_scatter" and position[c.issue] <= end for c in collectives(gm)):
+            # With micro-batches the step's loss (the marked end of the forward) is computed after
+            # every micro-batch's backward, so "after the forward" does not mean "the backward".
+            raise ValueError(
+                "rematerialize: this step's graph runs backward passes before the end of its forward "
+                "(sharded_step(..., microbatches=k) with k > 1), which the pass does not support yet: use "
+                "microbatches=1 with fs.Schedule(remat=...), or remat=False with micro-batches (each micro-batch's "
+                "activations are already 1/k of the batch's)"
+            )
+        parameters = _gathered_parameters(gm, position, end)
+        known = list(dict.fromkeys(parameters.values()))
+        if isinstance(self.units, tuple):
+            unknown = [u for u in self.units if u not in known]
+            if unknown:
+                raise ValueError(f"rematerialize: no unit named {unknown} in this step; its units are {known}")
+        unit_of = _units_of_forward_nodes(gm, parameters, position, end)
+        chosen = {u for u in known if self.chooses(u) and u != unit_of.get(end_node)}
+        recomputed = _recomputed_nodes(gm, unit_of, chosen, parameters, position, end)
+        for unit in known:
+            if unit in chosen:
+                _recompute(gm, unit, [n for n in recomputed if unit_of[n] == unit], position, end)
+        gm.graph.lint()
+        return gm
+
+
+def recomputed_units(gm: fx.GraphModule) -> dict[str, list[fx.Node]]:
+    """unit -> its recomputed nodes (graph order), as `rematerialize` marked them."""
+    out: dict[str, list[fx.Node]] = {}
+    for node in gm.graph.nodes:
+        unit = node.meta.get(_RECOMPUTED_KEY)
+        if unit is not None:
+            out.setdefault(unit, []).append(node)
+    return out
+
+
+# --- which forward node belongs to which unit ------------------------------------------------------
+
+
+def _gathered_parameters(gm: fx.GraphModule, position: dict, end: int) -> dict[fx.Node, str]:
+    """Every view of a buffer gathered for the forward -> its unit (a bucket: per member)."""
+    out: dict[fx.Node, str] = {}
+    for c in collectives(gm):
+        if c.kind == "all_gather" and position[c.wait] <= end:
+            for member in c.members():
+                for alias in aliases(member.root):
+                    out[alias] = member.unit
+    return out
+
+
+def _units_of_forward_nodes(gm: fx.GraphModule, parameters: dict, position: dict, end: int) -> dict[fx.Node, str]:
+    """forward node -> the unit of the latest parameter read it depends on (nodes that depend
+    on no parameter, such as the batch, constants and random masks, belong to no unit)."""
+    latest: dict[fx.Node, tuple[int, str]] = {}
+    for node in gm.graph.nodes:
+        if position[node] > end:
+            break
+        if node in parameters or node.op != "call_function":
+            continue
+        reads = [(position[node], parameters[i]) for i in node.all_input_nodes if i in parameters]
+        inherited = [latest[i] for i in node.all_input_nodes if i in latest]
+        if reads or inherited:
+            latest[node] = max(reads + inherited)
+    return {node: unit for node, (_, unit) in latest.items()}
+
+
+# --- which nodes may be recomputed ----------------------------------------------------------------
+
+
+def _arguments(node: fx.Node, schema) -> list[tuple[object, object]]:
+    """(argument schema, value) pairs of a call, positional then keyword."""
+    out = []
+    for i, argument in enumerate(schema.arguments):
+        if i < len(node.args):
+            out.append((argument, node.args[i]))
+        elif argument.name in node.kwargs:
+            out.append((argument, node.kwargs[argument.name]))
+    return out
+
+
+def _nodes_in(value) -> list[fx.Node]:
+    if isinstance(value, fx.Node):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [n for v in value for n in _nodes_in(v)]
+    return []
+
+
+def _storages(gm: fx.GraphModule, position: dict) -> tuple[dict[fx.Node, fx.Node], dict[fx.Node, int]]:
+    """(node -> the node whose storage its output lives in, storage -> position of its last write)."""
+    root: dict[fx.Node, fx.Node] = {}
+    last_write: dict[fx.Node, int] = {}
+    for node in gm.graph.nodes:
+        root[node] = node
+        if node.op != "call_function":
+            continue
+        if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+            root[node] = root[node.args[0]]
+            continue
+        schema = _schema(node)
+        if schema is None:
+            continue
+        for i in _UNDECLARED_WRITES.get(node.target, ()):
+            for n in _nodes_in(node.args[i] if i < len(node.args) else None):
+                last_write[root[n]] = position[node]
+        returned = set().union(*(r.alias_info.before_set for r in schema.returns if r.alias_info is not None))
+        for argument, value in _arguments(node, schema):
+            info = argument.alias_info
+            if info is None:
+                continue
+            for n in _nodes_in(value):
+                if info.is_write:
+                    last_write[root[n]] = position[node]
+                if info.before_set & returned and root[node] is node:
+                    root[node] = root[n]
+    return root, last_write
+
+
+def _is_random(node: fx.Node) -> bool:
+    tags = getattr(node.target, "tags", ())
+    return torch.Tag.nondeterministic_seeded in tags
+
+
+def _recomputable(node: fx.Node, root: dict, last_write: dict, position: dict) -> bool:
+    """A pure call whose inputs and output hold, in the backward, what they held when it ran."""
+    if node.op != "call_function":
+        return False
+    if node.target is not operator.getitem:
+        schema = _schema(node)
+        if schema is None or schema.is_mutable or node.target in _UNDECLARED_WRITES or _is_random(node):
+            return False
+        if node.target is WAIT_OP or node.target.namespace == "_c10d_functional":
+            return False
+    # A storage written after the node ran (anywhere in the graph) may not hold, when the copy
+    # runs, what the node read or made: keep the node rather than prove when the write happens.
+    return all(last_write.get(root[n], -1) < position[node] for n in (node, *node.all_input_nodes))
+
+
+def _read_by_output(node: fx.Node) -> bool:
+    """The step returns it (directly or through detach/alias): it is alive to the end anyway."""
+    passthrough = (torch.ops.aten.detach.default, torch.ops.aten.alias.default)
+    return any(u.op == "output" or (u.target in passthrough and _read_by_output(u)) for u in node.users)
+
+
+def _recomputed_nodes(
+    gm: fx.GraphModule, unit_of: dict, chosen: set, parameters: dict, position: dict, end: int
+) -> list[fx.Node]:
+    """The forward nodes of the chosen units that the backward reads through copies (graph
+    order): recomputable, read by no other unit's forward (those are kept: a unit's output is
+    the next one's input) and not returned by the step. The copies read the originals of
+    everything else."""
+    root, last_write = _storages(gm, position)
+    candidates = {
+        n for n, unit in unit_of.items() if unit in chosen and _recomputable(n, root, last_write, position)
+    }
+    out = []
+    for node in gm.graph.nodes:
+        if node not in candidates:
+            continue
+        forward_readers = [u for u in node.users if position[u] <= end]
+        if any(unit_of.get(u) != unit_of[node] for u in forward_readers) or _read_by_output(node):
+            continue
+        out.append(node)
+    return out
+
+
+# --- the copies -------------------------------------------------------------------------------------
+
+
+def _recompute(gm: fx.GraphModule, unit: str, nodes: list[fx.Node], position: dict, end: int) -> None:
+    """Redirect the backward's reads of `nodes` (forward nodes of `unit`) to copies, computed
+    right before the first such read from their recomputed inputs and the originals of the rest."""
+    recomputed = set(nodes)
+    reads = [(user, n) for n in nodes for user in list(n.users) if position[user] > end and user.op != "output"]
+    if not reads:
+        return
+    anchor = min((user for user, _ in reads), key=position.__getitem__)
+    copies: dict[fx.Node, fx.Node] = {}
+
+    def copy_of(target: fx.Node) -> fx.Node:
+        # Inputs before users: a depth-first post-order over the recomputed ancestors.
+        stack: list[tuple[fx.Node, bool]] = [(target, False)]
+        while stack:
+            node, expanded = stack.pop()
+            if node in copies:
+                continue
+            if not expanded:
+                stack.append((node, True))
+                stack.extend((i, False) for i in node.all_input_nodes if i in recomputed and i not in copies)
+                continue
+            with gm.graph.inserting_before(anchor):
+                copy = gm.graph.node_copy(node, lambda i: copies.get(i, i))
+            copy.meta.pop(_FORWARD_END_KEY, None)
+            copy.meta[_RECOMPUTED_KEY] = unit
+            copies[node] = copy
+        return copies[target]
+
+    for user, node in reads:
+        user.replace_input_with(node, copy_of(node))
+
+
+def recomputed_bytes(nodes: list[fx.Node]) -> int:
+    """Bytes of the tensors the recomputed `nodes` allocate (views allocate none)."""
+    total = 0
+    for node in nodes:
+        if _is_view(node):
+            continue
+        value = node.meta.get("val")
+        for v in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(v, torch.Tensor):
+                total += v.numel() * v.element_size()
+    return total
