@@ -1,0 +1,99 @@
+"""The training options' costs: peak memory per rank and bytes moved per step, option by option.
+
+    python benchmarks/training_memory.py [--world-size 2] [--n-layer 8] [--d-model 128] [--batch-size 16]
+
+A GPT (block size 64, 4 heads, the shipped corpus) trained with AdamW, batch 16 sequences of 64
+tokens per rank. For each arm, one warm-up step (it traces), then one step under `MemTracker`
+on rank 0 (the state and the batch registered with `track_external` first, as
+benchmarks/_runner.py does). Printed: peak tensor memory, the state's own bytes, peak minus state
+(what the step allocates), all-gather and reduce-scatter bytes per step (`metrics`).
+Memory figures are deterministic for a given graph; no timing is taken.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+from torch.distributed._tools.mem_tracker import MemTracker
+
+import functional_shard as fs
+from functional_shard.data import CharTokenizer, batches, load_text
+from functional_shard.models import GPT, GPTConfig
+
+BF16 = fs.Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+ARMS = {
+    "fp32 (default)": dict(),
+    "bf16 params, fp32 reduce": dict(precision=BF16),
+    "4 micro-batches, sharded": dict(microbatches=4),
+    "4 micro-batches, full": dict(microbatches=4, schedule=fs.Schedule(accumulate="full")),
+    "remat every unit": dict(schedule=fs.Schedule(remat=True)),
+    "bf16 + remat": dict(precision=BF16, schedule=fs.Schedule(remat=True)),
+    "clip 1.0 (chain)": dict(optimizer=fs.optim.chain(fs.optim.clip_by_global_norm(1.0), fs.optim.adamw(lr=3e-3))),
+}
+
+
+def _cpu_total(tracker: MemTracker, kind: str) -> int:
+    for device, categories in tracker.get_tracker_snapshot(kind).items():
+        if torch.device(device).type == "cpu":
+            return int(next((v for k, v in categories.items() if str(getattr(k, "value", k)) == "Total"), 0))
+    return 0
+
+
+def run(world_size: int, batch_size: int, n_layer: int, d_model: int) -> dict:
+    mesh = fs.init_mesh({"fsdp": world_size})
+    text = load_text()
+    tokenizer = CharTokenizer.from_text(text)
+    tokens = tokenizer.encode(text)
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=tokenizer.vocab_size, block_size=64, n_layer=n_layer, n_head=4, d_model=d_model)
+    apply_fn, params = fs.functionalize(GPT(config))
+
+    def loss_fn(p, batch):
+        x, y = batch
+        return F.cross_entropy(apply_fn(p, x).flatten(0, 1).float(), y.flatten())
+
+    report = {}
+    generator = torch.Generator().manual_seed(1 + mesh.rank)
+    for name, options in ARMS.items():
+        options = {"optimizer": fs.optim.adamw(lr=3e-3, weight_decay=0.1), **options}
+        step = fs.sharded_step(loss_fn, mesh, **options)
+        state = step.init(params)
+        batch = batches(tokens, batch_size, 64, generator=generator)
+        state, _ = step(state, batch)  # traces
+        tracker = MemTracker()
+        tracker.track_external(*fs.tree_leaves(state), *batch)
+        with tracker:
+            state, metrics = step(state, batch)
+        report[name] = {
+            "peak": _cpu_total(tracker, "peak"),
+            "state": sum(t.numel() * t.element_size() for t in fs.tree_leaves(state)),
+            "gathered": metrics["all_gather_bytes"],
+            "scattered": metrics["reduce_scatter_bytes"],
+        }
+    report["params"] = GPT(config).num_params()
+    return report
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--n-layer", type=int, default=8)
+    parser.add_argument("--d-model", type=int, default=128)
+    args = parser.parse_args()
+    report = fs.launch(run, world_size=args.world_size, args=(args.world_size, args.batch_size, args.n_layer, args.d_model))
+    params = report.pop("params")
+    mib = 2**20
+    print(
+        f"GPT n_layer={args.n_layer} d_model={args.d_model} ({params / 1e6:.2f}M parameters), world size "
+        f"{args.world_size}, batch {args.batch_size} x 64 tokens per rank; rank 0"
+    )
+    print(f"| arm | peak MiB | state MiB | peak - state MiB | all-gather MiB/step | reduce-scatter MiB/step |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, r in report.items():
+        print(
+            f"| {name} | {r['peak'] / mib:.1f} | {r['state'] / mib:.1f} | {(r['peak'] - r['state']) / mib:.1f} | "
+            f"{r['gathered'] / mib:.2f} | {r['scattered'] / mib:.2f} |"
+        )
