@@ -156,6 +156,23 @@ class BaseMesh:
         """Sum of `x` over the ranks along `axes` (default: every axis). No-op for no axes."""
         raise NotImplementedError
 
+    def succeed_together(self, operation: str, error: BaseException | None, failure) -> None:
+        """Every rank states whether its part of `operation` succeeded: raise this rank's own
+        `error`, or `failure(ranks that failed)` when only others failed, so that no rank goes
+        on alone. A collective.
+
+        Arguments:
+            operation: the operation's name, as given to `agree`.
+            error: this rank's exception, or None.
+            failure: `list of failed ranks -> exception` raised on the ranks that succeeded.
+        """
+        flags = self.agree(operation, 0 if error is not None else 1)
+        if error is not None:
+            raise error
+        failed = [r for r, ok in enumerate(flags) if not ok]
+        if failed:
+            raise failure(failed)
+
     def check_same(self, what: str, value: str) -> None:
         """Raise `MeshError` on every rank unless every rank passes the same `value`.
 

@@ -121,12 +121,9 @@ def shard_from(
         sharded = Sharded(layout, mesh, shards, local)
     except Exception as e:  # noqa: BLE001 (the other ranks must learn of it)
         error = e
-    flags = mesh.agree(operation, 0 if error else 1)
-    if error is not None:
-        raise error
-    failed = [r for r, ok in enumerate(flags) if not ok]
-    if failed:
-        raise InitError(f"ranks {failed} could not initialize their shards (see their errors); no rank did")
+    mesh.succeed_together(
+        operation, error, lambda failed: InitError(f"ranks {failed} could not initialize their shards (see their errors); no rank did")
+    )
     return sharded
 
 

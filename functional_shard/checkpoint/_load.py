@@ -60,12 +60,9 @@ def load(path: str | os.PathLike, template: StepState) -> StepState:
         result = _load_here(os.path.abspath(path), template)
     except Exception as e:  # noqa: BLE001 (the other ranks must learn of it)
         error = e
-    flags = mesh.agree(OPERATION, 0 if error else 1)
-    if error is not None:
-        raise error
-    failed = [r for r, ok in enumerate(flags) if not ok]
-    if failed:
-        raise CheckpointError(f"ranks {failed} could not load {path} (see their errors); no rank loaded it")
+    mesh.succeed_together(
+        OPERATION, error, lambda failed: CheckpointError(f"ranks {failed} could not load {path} (see their errors); no rank loaded it")
+    )
     return result
 
 
