@@ -37,6 +37,7 @@ from _arms import (
     Fsdp2Arm,
     Hyper,
     make_arm,
+    missing,
 )
 from _workloads import Workload, num_params
 
@@ -83,7 +84,9 @@ def _log(mesh, message: str) -> None:
 
 def _run_config(mesh, workload: Workload, batch_size: int, plan: Plan, correctness: bool) -> dict:
     base = workload.build(plan.seed)
-    arms = [make_arm(name, base, workload, mesh, plan.hyper) for name in plan.arms]
+    # An arm whose peer library is not installed is skipped, with the reason in the record.
+    skipped = {name: why for name in plan.arms if (why := missing(name)) is not None}
+    arms = [make_arm(name, base, workload, mesh, plan.hyper, batch_size=batch_size) for name in plan.arms if name not in skipped]
     label = f"{workload.name} batch {batch_size}"
     record: dict = {
         "model": workload.name,
@@ -95,6 +98,7 @@ def _run_config(mesh, workload: Workload, batch_size: int, plan: Plan, correctne
         "fs_prefetch": FS_SCHEDULES[FS_DEFAULT].prefetch,
         "correctness_steps": plan.correctness_steps if correctness else 0,
         "arms": {arm.name: {} for arm in arms},
+        "skipped": skipped,
     }
     for arm in arms:
         if isinstance(arm, Fsdp2Arm):
