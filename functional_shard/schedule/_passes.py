@@ -205,17 +205,20 @@ class early_reduce_scatter(Pass):
 @dataclasses.dataclass(frozen=True)
 class limit_in_flight(Pass):
     """Wait for each collective before the k-th next one is issued, so that at most k are in
-    flight at once (moving waits earlier only; compute still overlaps the ones in flight).
+    flight at once, and at most `context.max_in_flight_per_group` on any one process group
+    (moving waits earlier only; compute still overlaps the ones in flight).
 
     k is the mesh's `max_collectives_in_flight` (from the pass context), or `max_in_flight`
-    when that is smaller; with neither, the pass changes nothing.
+    when that is smaller; with neither, and no bound per group, the pass changes nothing.
 
-    Why gloo needs k = 1: it runs a process group's collectives on two worker threads that
-    share one context; with two collectives in flight at once, ranks were seen to deadlock
+    Why gloo needs one per group: a gloo group runs its collectives on worker threads that
+    share one context; with two collectives in flight on one group, ranks were seen to deadlock
     inside gloo (one rank spinning in a ring all-reduce's buffer teardown, the other waiting
-    for a later collective), about once in a few thousand steps. With one in flight, the
-    worker threads never run two at once. Prefetching k > 1 units then means: unit i+k's
-    gather is issued while unit i computes, once unit i+k-1's has arrived."""
+    for a later collective), about once in a few thousand steps. `Mesh` therefore gives
+    all-gathers and reduce-scatters separate groups (separate contexts and threads), and
+    bounds each to one in flight: a unit's reduce-scatter overlaps the next unit's all-gather
+    and the backward, and prefetching k > 1 units means unit i+k's gather is issued while unit
+    i computes, once unit i+k-1's has arrived."""
 
     max_in_flight: int | None = None
 
@@ -228,11 +231,28 @@ class limit_in_flight(Pass):
         return min(bounds) if bounds else None
 
     def __call__(self, gm: fx.GraphModule, context: PassContext) -> fx.GraphModule:
+        per_group = context.max_in_flight_per_group
+        if per_group is not None:
+            for members in by_group(collectives(gm)).values():
+                _wait_before_later_issue(gm, members, per_group)
         bound = self.bound(context)
         if bound is not None:
             _wait_before_later_issue(gm, collectives(gm), bound)
         gm.graph.lint()
         return gm
+
+
+def group_of(c: Collective) -> str:
+    """The name of the process group collective `c` runs on (the last argument of its node)."""
+    return str(c.issue.args[-1])
+
+
+def by_group(ordered: list[Collective]) -> dict[str, list[Collective]]:
+    """`ordered`'s collectives by process group, each list in the order given."""
+    out: dict[str, list[Collective]] = {}
+    for c in ordered:
+        out.setdefault(group_of(c), []).append(c)
+    return out
 
 
 def _wait_before_later_issue(gm: fx.GraphModule, ordered: list[Collective], k: int) -> None:
