@@ -9,7 +9,7 @@ in the spirit of optax's `chain`: reorder, replace or drop the built-in ones, ad
 - config (`_schedule.py`): `Schedule` (the convenient form expands to `default_passes(...)`,
   read back as `schedule.pass_list`), `apply_schedule(gm, schedule, context)`;
 - passes (`_passes.py`): `reshard_after_forward`, `prefetch`, `early_reduce_scatter`,
-  `bucket_gathers`, `limit_in_flight`, `function_pass`, the base `Pass`, and `PassContext`
+  `bucket_gathers`, `bucket_reduce_scatters`, `limit_in_flight`, `function_pass`, the base `Pass`, and `PassContext`
   (what the mesh allows: `max_collectives_in_flight`, world size, shards);
 - graph tools (`_graph.py`): the typed record of each collective (`CollectiveTag`, `tag`,
   `tag_of`), the end of the forward (`mark_forward_end`, `forward_end`), `collectives(gm)`,
@@ -40,6 +40,7 @@ from ._graph import uses as uses
 from ._context import Pass as Pass
 from ._context import PassContext as PassContext
 from ._passes import bucket_gathers as bucket_gathers
+from ._passes import bucket_reduce_scatters as bucket_reduce_scatters
 from ._passes import early_reduce_scatter as early_reduce_scatter
 from ._context import function_pass as function_pass
 from ._passes import limit_in_flight as limit_in_flight
@@ -62,6 +63,7 @@ __all__ = [
     "prefetch",
     "early_reduce_scatter",
     "bucket_gathers",
+    "bucket_reduce_scatters",
     "limit_in_flight",
     # graph tools
     "CollectiveTag",
