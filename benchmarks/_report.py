@@ -29,7 +29,14 @@ METHODS = {
     "(fp32: FSDP2, FSDP2 prefetch+async, DeepSpeed ZeRO-3, SimpleFSDP eager and compiled; bf16: FSDP2 bf16, "
     "DeepSpeed bf16), among those installed",
     "ratio_ddp": "median / DDP's median of the same configuration",
-    "exposed_comm_ms": "median - the compute-only arm's median of the same configuration",
+    "exposed_comm_ms": "median - the compute-only arm's median of the same configuration (exposed communication "
+    "plus framework overhead)",
+    "comm_alone_ms": "the arm's bytes x (time of the fs step's collectives alone, no compute, one at a time) / "
+    "the fs step's bytes: the communication the arm cannot avoid on this mesh (fs: measured; others: scaled by bytes)",
+    "overhead_ms": "median - compute only - comm_alone: framework overhead and contention, minus the communication "
+    "hidden behind compute (negative: more hidden than the overhead costs)",
+    "limit_ms": "physical limit of this machine for the fs step: compute only + comm alone when every core computes "
+    "(2 ranks on 2 cores: gloo's copies time-share the cores), max(compute only, comm alone) with idle cores",
     "peak_bytes_per_rank": "torch.distributed._tools.mem_tracker.MemTracker peak ('Total') of one untimed "
     "step, the arm's long-lived state and the batch registered with track_external first",
     "all_gather_bytes / reduce_scatter_bytes / all_reduce_bytes": "bytes of the full (unsharded, padded) "
@@ -63,13 +70,21 @@ def summarize(record: dict) -> dict:
     }
     ddp = arms[DDP]["median_ms"] if DDP in arms else None
     compute = arms[COMPUTE]["median_ms"] if COMPUTE in arms else None
+    comm = record.get("comm_alone")
     for name, stats in arms.items():
+        if comm is not None and compute is not None:
+            moved = stats["all_gather_bytes"] + stats["reduce_scatter_bytes"] + 2 * stats["all_reduce_bytes"]
+            stats["comm_alone_ms"] = comm["median_ms"] * moved / comm["bytes"]
+            stats["overhead_ms"] = stats["median_ms"] - compute - stats["comm_alone_ms"]
         stats["ratio_fsdp2_best"] = stats["median_ms"] / fsdp2_best if fsdp2_best else None
         best = peer_best["bf16" if name in BF16_ARMS else "fp32"]
         stats["ratio_peer_best"] = stats["median_ms"] / best if best else None
         stats["ratio_ddp"] = stats["median_ms"] / ddp if ddp else None
         stats["exposed_comm_ms"] = stats["median_ms"] - compute if compute is not None else None
     record["memory_model_bytes"] = memory_model(record)
+    if comm is not None and compute is not None:
+        fs_comm = arms[FS_DEFAULT]["comm_alone_ms"]
+        record["limit_ms"] = {"cores_busy": compute + fs_comm, "idle_cores": max(compute, fs_comm)}
     return record
 
 
@@ -225,19 +240,28 @@ def render_tables(result: dict, heading: str = "###") -> str:
         lines.append(f"{heading} {model.upper()}, world size {world_size} (Ψ = {r0['psi']:,} parameters)")
         lines.append("")
         lines.append(
-            "| batch/rank | arm | median ms | IQR ms | × best peer | × DDP | exposed comm ms | peak MiB/rank "
-            "| all-gather MiB | reduce-scatter MiB | all-reduce MiB | max param diff (rel) |"
+            "| batch/rank | arm | median ms | IQR ms | × best peer | × DDP | beyond compute ms | comm alone ms "
+            "| overhead ms | peak MiB/rank | all-gather MiB | reduce-scatter MiB | all-reduce MiB | max param diff (rel) |"
         )
-        lines.append("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        lines.append("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for r in sorted(group, key=lambda r: r["batch_size"]):
             for name in [n for n in ARMS if n in r["arms"]]:
                 a = r["arms"][name]
                 lines.append(
                     f"| {r['batch_size']} | {name} | {a['median_ms']:.1f} | {a['iqr_ms']:.1f} "
                     f"| {_num(a.get('ratio_peer_best'), '.2f')} | {_num(a['ratio_ddp'], '.2f')} "
-                    f"| {_num(a['exposed_comm_ms'], '.1f')} | {_mib(a['peak_bytes'])} "
+                    f"| {_num(a['exposed_comm_ms'], '.1f')} | {_num(a.get('comm_alone_ms'), '.1f')} "
+                    f"| {_num(a.get('overhead_ms'), '.1f')} | {_mib(a['peak_bytes'])} "
                     f"| {_mib(a['all_gather_bytes'])} | {_mib(a['reduce_scatter_bytes'])} | {_mib(a['all_reduce_bytes'])} "
                     f"| {_num(a.get('max_param_diff_rel'), '.2e')} |"
+                )
+        for r in sorted(group, key=lambda r: r["batch_size"]):
+            if "limit_ms" in r:
+                lim = r["limit_ms"]
+                lines.append(
+                    f"Batch {r['batch_size']}: physical limit of the fs step on this machine = compute + comm alone = "
+                    f"{lim['cores_busy']:.1f} ms (every core computes; with idle cores max(compute, comm alone) = "
+                    f"{lim['idle_cores']:.1f} ms); fs {r['arms'][FS_DEFAULT]['median_ms']:.1f} ms."
                 )
         skipped = {name: why for r in group for name, why in r.get("skipped", {}).items()}
         for name, why in skipped.items():
