@@ -23,11 +23,12 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 import functional_shard as fs
 
+import _peers
 from _workloads import Workload
 
 # `donate=True` lets the fs step update the state's tensors in place (as FSDP2, DDP and
@@ -41,17 +42,41 @@ FS_PREFETCH0 = "fs prefetch 0"
 FS_KEEP = "fs no reshard"
 FSDP2_DEFAULT = "FSDP2"
 FSDP2_TUNED = "FSDP2 prefetch+async"
+DEEPSPEED = "DeepSpeed ZeRO-3"
+SIMPLE_FSDP = "SimpleFSDP"
+SIMPLE_FSDP_COMPILED = "SimpleFSDP compiled"
 DDP = "DDP"
 COMPUTE = "compute only"
-ARMS = (FS_DEFAULT, FS_PREFETCH0, FS_KEEP, FSDP2_DEFAULT, FSDP2_TUNED, DDP, COMPUTE)
-FS_ARMS = (FS_DEFAULT, FS_PREFETCH0, FS_KEEP)
+# Mixed precision: bf16 parameters (gathered and computed in bf16), fp32 gradient reduction.
+FS_BF16 = "fs bf16"
+FSDP2_BF16 = "FSDP2 bf16"
+DEEPSPEED_BF16 = "DeepSpeed bf16"
+ARMS = (
+    FS_DEFAULT, FS_PREFETCH0, FS_KEEP, FSDP2_DEFAULT, FSDP2_TUNED, DEEPSPEED, SIMPLE_FSDP, SIMPLE_FSDP_COMPILED,
+    DDP, COMPUTE, FS_BF16, FSDP2_BF16, DEEPSPEED_BF16,
+)
+FS_ARMS = (FS_DEFAULT, FS_PREFETCH0, FS_KEEP, FS_BF16)
 FSDP2_ARMS = (FSDP2_DEFAULT, FSDP2_TUNED)
+# The sharded peers fs is measured against, fp32 and bf16.
+PEER_ARMS = (FSDP2_DEFAULT, FSDP2_TUNED, DEEPSPEED, SIMPLE_FSDP, SIMPLE_FSDP_COMPILED)
+BF16_PEER_ARMS = (FSDP2_BF16, DEEPSPEED_BF16)
+BF16_ARMS = (FS_BF16, FSDP2_BF16, DEEPSPEED_BF16)
+# Which installed library an arm needs beyond torch (see _peers.missing).
+NEEDS = {DEEPSPEED: "deepspeed", DEEPSPEED_BF16: "deepspeed", SIMPLE_FSDP: "simple_fsdp", SIMPLE_FSDP_COMPILED: "simple_fsdp"}
 
 FS_SCHEDULES = {
     FS_DEFAULT: fs.Schedule(),  # traced, prefetch 1, reshard after forward
     FS_PREFETCH0: fs.Schedule(prefetch=0),
     FS_KEEP: fs.Schedule(reshard_after_forward=False),
+    FS_BF16: fs.Schedule(),
 }
+FS_BF16_PRECISION = fs.Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+FSDP2_BF16_POLICY = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def missing(name: str) -> str | None:
+    """None when arm `name` can run here, else why not (its peer library is not installed)."""
+    return _peers.missing(NEEDS[name]) if name in NEEDS else None
 
 # How many blocks ahead FSDP2's explicit prefetch reaches, forward and backward. 1 is FSDP2's
 # own recommendation and, on this CPU, no slower than 2 (see docs/benchmarks.md): a deeper
@@ -106,6 +131,8 @@ class FsArm:
             return workload.loss(apply_fn(p, inputs), targets)
 
         extra = {"donate": True} if FS_DONATE else {}
+        if name == FS_BF16:
+            extra["precision"] = FS_BF16_PRECISION
         self.step_fn = fs.sharded_step(
             loss_fn, mesh, optimizer=hyper.fs_adamw(), schedule=FS_SCHEDULES[name], **extra
         )
@@ -179,12 +206,16 @@ class Fsdp2Arm(TorchArm):
     thread while this block computes, and is waited in the next block's pre-forward hook.
     """
 
-    def __init__(self, name: str, model: nn.Module, workload: Workload, mesh, hyper: Hyper, *, tuned: bool):
+    def __init__(
+        self, name: str, model: nn.Module, workload: Workload, mesh, hyper: Hyper, *, tuned: bool, bf16: bool = False
+    ):
         self.world_size = mesh.world_size
         blocks = workload.blocks(model)
+        policy = {"mp_policy": FSDP2_BF16_POLICY} if bf16 else {}
         for block in blocks:
-            fully_shard(block, mesh=mesh.device_mesh)
-        fully_shard(model, mesh=mesh.device_mesh)
+            fully_shard(block, mesh=mesh.device_mesh, **policy)
+        fully_shard(model, mesh=mesh.device_mesh, **policy)
+        self.bf16 = bf16
         self.async_unshard = False
         if tuned:
             self.async_unshard = _tune_fsdp2(model, blocks, FSDP2_PREFETCH_DEPTH)
@@ -225,15 +256,14 @@ class Fsdp2Arm(TorchArm):
             if not isinstance(module, FSDPModule):
                 continue
             for group in module._get_fsdp_state()._fsdp_param_groups:
-                full = sum(
-                    p.padded_sharded_param_size.numel() * self.world_size * p.sharded_param.element_size()
-                    for p in group.fsdp_params
-                )
+                numel = sum(p.padded_sharded_param_size.numel() * self.world_size for p in group.fsdp_params)
+                # Gathered in param_dtype (bf16 under the policy), reduced in reduce_dtype (fp32).
+                gathered = numel * (2 if self.bf16 else 4)
                 # post_forward_mesh_info is None exactly when the group keeps its parameters
                 # after forward (FSDP2 sets it so for the root at lazy init).
                 regathered = group.post_forward_mesh_info is not None
-                all_gather += full * (2 if regathered else 1)
-                reduce_scatter += full
+                all_gather += gathered * (2 if regathered else 1)
+                reduce_scatter += numel * 4
         return {"all_gather": all_gather, "reduce_scatter": reduce_scatter}
 
 
@@ -315,13 +345,20 @@ class ComputeArm(TorchArm):
         return {"all_gather_bytes": 0, "reduce_scatter_bytes": 0, "all_reduce_bytes": 0, "bytes_source": "no collectives"}
 
 
-def make_arm(name: str, base: nn.Module, workload: Workload, mesh, hyper: Hyper) -> Arm:
-    """A fresh arm `name`, starting from a copy of `base`'s weights."""
+def make_arm(name: str, base: nn.Module, workload: Workload, mesh, hyper: Hyper, *, batch_size: int) -> Arm:
+    """A fresh arm `name`, starting from a copy of `base`'s weights (`missing(name)` must be None)."""
     model = copy.deepcopy(base)
     if name in FS_ARMS:
         return FsArm(name, model, workload, mesh, hyper)
     if name in FSDP2_ARMS:
         return Fsdp2Arm(name, model, workload, mesh, hyper, tuned=name == FSDP2_TUNED)
+    if name == FSDP2_BF16:
+        # FSDP2's best CPU configuration (prefetch + asynchronous unshards) under the bf16 policy.
+        return Fsdp2Arm(name, model, workload, mesh, hyper, tuned=True, bf16=True)
+    if name in (DEEPSPEED, DEEPSPEED_BF16):
+        return _peers.DeepSpeedArm(name, model, workload, mesh, hyper, batch_size=batch_size, bf16=name == DEEPSPEED_BF16)
+    if name in (SIMPLE_FSDP, SIMPLE_FSDP_COMPILED):
+        return _peers.SimpleFsdpArm(name, model, workload, mesh, hyper, compiled=name == SIMPLE_FSDP_COMPILED)
     if name == DDP:
         return DdpArm(name, model, workload, hyper)
     if name == COMPUTE:

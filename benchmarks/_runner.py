@@ -37,6 +37,7 @@ from _arms import (
     Fsdp2Arm,
     Hyper,
     make_arm,
+    missing,
 )
 from _workloads import Workload, num_params
 
@@ -83,7 +84,9 @@ def _log(mesh, message: str) -> None:
 
 def _run_config(mesh, workload: Workload, batch_size: int, plan: Plan, correctness: bool) -> dict:
     base = workload.build(plan.seed)
-    arms = [make_arm(name, base, workload, mesh, plan.hyper) for name in plan.arms]
+    # An arm whose peer library is not installed is skipped, with the reason in the record.
+    skipped = {name: why for name in plan.arms if (why := missing(name)) is not None}
+    arms = [make_arm(name, base, workload, mesh, plan.hyper, batch_size=batch_size) for name in plan.arms if name not in skipped]
     label = f"{workload.name} batch {batch_size}"
     record: dict = {
         "model": workload.name,
@@ -95,6 +98,7 @@ def _run_config(mesh, workload: Workload, batch_size: int, plan: Plan, correctne
         "fs_prefetch": FS_SCHEDULES[FS_DEFAULT].prefetch,
         "correctness_steps": plan.correctness_steps if correctness else 0,
         "arms": {arm.name: {} for arm in arms},
+        "skipped": skipped,
     }
     for arm in arms:
         if isinstance(arm, Fsdp2Arm):
@@ -116,7 +120,10 @@ def _run_config(mesh, workload: Workload, batch_size: int, plan: Plan, correctne
     for arm in arms:
         record["arms"][arm.name].update(_memory(mesh, arm, batch))
         record["arms"][arm.name].update(arm.comm_bytes())
-    record["fs_layout"] = next(a for a in arms if a.name == FS_DEFAULT).layout_figures()
+    fs_arm = next(a for a in arms if a.name == FS_DEFAULT)
+    record["fs_layout"] = fs_arm.layout_figures()
+    _log(mesh, f"{label}: communication alone")
+    record["comm_alone"] = _comm_alone(mesh, fs_arm)
     record["activation_bytes"] = _activation_bytes(base, workload, batch)
     return record
 
@@ -181,6 +188,29 @@ def _timed_step(mesh, arm: Arm, batch) -> float:
     arm.step(batch)
     elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
     return float(mesh.all_gather_world(elapsed).max())
+
+
+def _comm_alone(mesh, arm: FsArm, repeats: int = 5) -> dict:
+    """The fs default step's collectives with no computation around them: for every trainable
+    unit buffer, in unit order, an all-gather (forward), an all-gather (backward) and a
+    reduce-scatter of its full size, each waited before the next; the median over `repeats`
+    of the slowest rank's time. The communication a step cannot avoid on this mesh."""
+    buffers = [b for b in arm.state.params.layout.buffers if b.trainable]
+    shards = [torch.zeros(b.shard_numel, dtype=b.dtype) for b in buffers]
+    fulls = [torch.zeros(b.shard_numel * mesh.num_shards, dtype=b.dtype) for b in buffers]
+    times = []
+    for _ in range(repeats + 1):  # the first is a warm-up
+        mesh.all_reduce_flat(torch.zeros(1))
+        start = time.perf_counter()
+        for shard in shards:
+            mesh.all_gather_flat(shard)
+        for shard, full in zip(reversed(shards), reversed(fulls)):
+            mesh.all_gather_flat(shard)
+            mesh.reduce_scatter_flat(full)
+        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        times.append(float(mesh.all_gather_world(elapsed).max()))
+    moved = sum(f.numel() * f.element_size() for f in fulls)
+    return {"median_ms": 1e3 * sorted(times[1:])[len(times[1:]) // 2], "bytes": 3 * moved}
 
 
 # --- phase 3: memory --------------------------------------------------------------------------

@@ -22,7 +22,8 @@ MODELS = ("mlp", "gpt")
 # MLP: `functional_shard.models.MLP(256, 256, 256, n_blocks=8)` (blocks 256 -> 512 -> 256).
 MLP_WIDTH = 256
 MLP_BLOCKS = 8
-# GPT: 8 layers, 4 heads, d_model 256, sequence 128, character vocabulary of the shipped corpus.
+# GPT: 8 layers, 4 heads, d_model 256, sequence 128, character vocabulary of the shipped corpus,
+# output head untied from the token embedding.
 GPT_LAYERS = 8
 GPT_HEADS = 4
 GPT_WIDTH = 256
@@ -48,7 +49,11 @@ class Workload:
                 n_head=GPT_HEADS,
                 d_model=GPT_WIDTH,
             )
-            return GPT(config)
+            model = GPT(config)
+            # Untied: the output head gets its own copy of the token embedding's initial weights.
+            # SimpleFSDP cannot shard a tied weight, and every arm must train the same model.
+            model.head.weight = nn.Parameter(model.tok_emb.weight.detach().clone())
+            return model
         raise ValueError(f"unknown model {self.name!r}; expected one of {MODELS}")
 
     def batch(self, batch_size: int, *, seed: int, rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:

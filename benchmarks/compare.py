@@ -35,7 +35,7 @@ from pathlib import Path
 
 import functional_shard as fs
 
-from _arms import FS_DONATE, FSDP2_PREFETCH_DEPTH
+from _arms import ARMS, FS_DEFAULT, FS_DONATE, FSDP2_PREFETCH_DEPTH
 from _report import METHODS, machine_info, render_tables, render_targets, summarize, targets, write_docs, write_outputs
 from _runner import Plan, run_world
 from _workloads import MODELS
@@ -82,6 +82,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, help="untimed steps before them; default 3 (quick: 1)")
     parser.add_argument("--correctness-steps", type=int, help="steps before the parameter check; default 10 (quick: 3)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--arms", nargs="+", choices=ARMS, metavar="ARM", help=f"default: every arm; any of {list(ARMS)} (fs is always run)")
     parser.add_argument("--write-docs", action="store_true", help="after the run, put it into docs/benchmarks.md")
     parser.add_argument("--docs-from", type=Path, metavar="DIR", help="run nothing: put the run in DIR into docs/benchmarks.md")
     parser.add_argument(
@@ -105,6 +106,7 @@ def make_plan(args: argparse.Namespace) -> tuple[Plan, tuple[int, ...]]:
         warmup=pick("warmup"),
         correctness_steps=pick("correctness_steps"),
         seed=args.seed,
+        **({"arms": tuple(dict.fromkeys((FS_DEFAULT, *args.arms)))} if args.arms else {}),
     )
     return plan, pick("world_sizes")
 

@@ -110,8 +110,11 @@ class BaseMesh:
     # traces, so thread-ranks of a simulated mesh cannot trace at the same time).
     supports_tracing: bool = True
     # The most collectives the backend may have issued and not yet waited at once (None: no
-    # limit); `fs.schedule.limit_in_flight` reads it. gloo: 1 (two in flight deadlocked, rarely).
+    # limit), in all and on any one process group; `fs.schedule.limit_in_flight` reads both.
+    # gloo: one per group (two on one group deadlocked, rarely), and `Mesh` gives all-gathers
+    # and reduce-scatters groups of their own.
     max_collectives_in_flight: int | None = None
+    max_collectives_in_flight_per_group: int | None = None
 
     @property
     def shape(self) -> dict[str, int]:
@@ -265,8 +268,17 @@ class Mesh(BaseMesh):
         self.device = torch.device(device_mesh.device_type, torch.cuda.current_device()) if device_mesh.device_type == "cuda" else torch.device("cpu")
         self._group_names = {a: device_mesh.get_group(a).group_name for a in self.axis_names}
         self._gloo = dist.get_backend() == "gloo"
-        self.max_collectives_in_flight = 1 if self._gloo else None
         self._world_group_name = dist.group.WORLD.group_name
+        # All-gathers on one group, reduce-scatters and all-reduces on another: on gloo each
+        # group has its own context and worker threads, so a unit's reduce-scatter can be in
+        # flight while the next unit's all-gather is, one collective per group at a time.
+        self._gather_group_names = dict(self._group_names)
+        self._reduce_group_names = dict(self._group_names)
+        if self._gloo:
+            self._gather_group_names = _new_axis_groups(device_mesh, self.axis_names)
+            self._reduce_group_names = _new_axis_groups(device_mesh, self.axis_names)
+            self.max_collectives_in_flight = 1
+            self.max_collectives_in_flight_per_group = 1
 
     def __enter__(self) -> "Mesh":
         return self
@@ -278,11 +290,11 @@ class Mesh(BaseMesh):
     def all_gather_flat(self, shard: torch.Tensor) -> torch.Tensor:
         record("all_gather")
         return _C10D.wait_tensor(
-            _C10D.all_gather_into_tensor(shard, self.num_shards, self._group_names[self.shard_axis])
+            _C10D.all_gather_into_tensor(shard, self.num_shards, self._gather_group_names[self.shard_axis])
         )
 
     def reduce_scatter_flat(self, full: torch.Tensor) -> torch.Tensor:
-        group = self._group_names[self.shard_axis]
+        group = self._reduce_group_names[self.shard_axis]
         record("reduce_scatter")
         if not self._gloo:
             return _C10D.wait_tensor(_C10D.reduce_scatter_tensor(full, "sum", self.num_shards, group))
@@ -301,12 +313,26 @@ class Mesh(BaseMesh):
             return _C10D.wait_tensor(_C10D.all_reduce(x, "sum", self._world_group_name))
         for axis in axes:
             record("all_reduce")
-            x = _C10D.wait_tensor(_C10D.all_reduce(x, "sum", self._group_names[axis]))
+            x = _C10D.wait_tensor(_C10D.all_reduce(x, "sum", self._reduce_group_names[axis]))
         return x
 
     def all_gather_world(self, x: torch.Tensor) -> torch.Tensor:
         record("all_gather")
         return _C10D.wait_tensor(_C10D.all_gather_into_tensor(x, self.world_size, self._world_group_name))
+
+
+def _new_axis_groups(device_mesh: DeviceMesh, axis_names: Sequence[str]) -> dict[str, str]:
+    """A new process group per axis for this rank (every rank creates every group, in the same
+    order, as `new_group` requires): axis name -> group name."""
+    mine = {}
+    ranks = device_mesh.mesh
+    for dim, axis in enumerate(axis_names):
+        rows = ranks.movedim(dim, -1).reshape(-1, ranks.shape[dim]).tolist()
+        for row in rows:
+            group = dist.new_group(row)
+            if dist.get_rank() in row:
+                mine[axis] = group.group_name
+    return mine
 
 
 def init_mesh(

@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parent.parent
 BENCHMARKS = REPO / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
-from _arms import ARMS, COMPUTE, DDP, FS_DEFAULT, FS_KEEP, FS_PREFETCH0, FSDP2_ARMS  # noqa: E402
+from _arms import ARMS, BF16_ARMS, COMPUTE, DDP, FS_BF16, FS_DEFAULT, FS_KEEP, FS_PREFETCH0, FSDP2_ARMS, FSDP2_BF16, NEEDS  # noqa: E402
 from _report import DOCS_BEGIN, DOCS_END, write_docs  # noqa: E402
 
 WORLD_SIZE = 2
@@ -50,7 +50,10 @@ def test_json_has_every_arm_with_every_figure(result, record):
     assert result["config"]["world_sizes"] == [WORLD_SIZE]
     assert isinstance(result["fs_donate"], bool)
     assert (record["model"], record["world_size"], record["batch_size"]) == ("mlp", WORLD_SIZE, 8)
-    assert set(record["arms"]) == set(ARMS)
+    # Every arm ran, but those whose peer library is not installed: skipped, with the reason.
+    assert set(record["arms"]) | set(record["skipped"]) == set(ARMS)
+    assert not set(record["arms"]) & set(record["skipped"]) and set(record["skipped"]) <= set(NEEDS)
+    assert all("not installed" in why or "not importable" in why for why in record["skipped"].values())
     for name, arm in record["arms"].items():
         assert len(arm["times_s"]) == STEPS and all(t > 0 for t in arm["times_s"]), name
         assert arm["median_ms"] > 0 and arm["iqr_ms"] >= 0, name
@@ -76,10 +79,13 @@ def test_fs_bytes_match_theory(record):
         assert abs(arm["all_gather_bytes"] + arm["reduce_scatter_bytes"] - 3 * psi_bytes) <= 3 * (padded - psi_bytes)
     keep = record["arms"][FS_KEEP]
     assert keep["all_gather_bytes"] == keep["reduce_scatter_bytes"] == padded
+    # bf16: gathered in bf16 (half the bytes), reduced in fp32.
+    bf16 = record["arms"][FS_BF16]
+    assert bf16["all_gather_bytes"] == padded and bf16["reduce_scatter_bytes"] == padded
 
 
 def test_torch_arms_bytes(record):
-    for name in FSDP2_ARMS:
+    for name in (*FSDP2_ARMS, FSDP2_BF16):
         arm = record["arms"][name]
         # Counted on a real step, equal to the theory from the sharded parameter sizes.
         assert arm["counted_all_gather_bytes"] == arm["all_gather_bytes"], name
@@ -91,6 +97,10 @@ def test_every_trained_arm_matches_single_process(record):
     for name, arm in record["arms"].items():
         if name == COMPUTE:
             assert "max_param_diff_rel" not in arm
+        elif name in BF16_ARMS:
+            # bf16 parameters and compute: a distance to fp32 training (~6e-2 after 3 MLP steps,
+            # fs's and FSDP2's alike), reported, not an error.
+            assert 0 <= arm["max_param_diff_rel"] < 0.2, name
         else:
             assert 0 <= arm["max_param_diff_rel"] < 1e-3, name
 
@@ -98,20 +108,24 @@ def test_every_trained_arm_matches_single_process(record):
 def test_table_and_chart_are_written(run_dir, result):
     table = (run_dir / "results.md").read_text()
     for name in ARMS:
-        assert f"| 8 | {name} |" in table, name
+        if name in result["records"][0]["skipped"]:
+            assert f"Skipped `{name}`" in table, name
+        else:
+            assert f"| 8 | {name} |" in table, name
     assert "Targets" in table
     chart = (run_dir / "results.png").read_bytes()
     assert chart[:8] == b"\x89PNG\r\n\x1a\n" and len(chart) > 10_000
     assert result["targets"] and all(isinstance(t["met"], bool) for t in result["targets"])
 
 
-def test_docs_are_rendered_from_a_run(run_dir, tmp_path):
+def test_docs_are_rendered_from_a_run(run_dir, result, tmp_path):
     docs, chart = tmp_path / "benchmarks.md", tmp_path / "benchmarks.png"
     docs.write_text(f"# Benchmarks\n\nbefore\n\n{DOCS_BEGIN}\nplaceholder\n{DOCS_END}\n\nafter\n")
     write_docs(run_dir, docs, chart)
     text = docs.read_text()
     assert "placeholder" not in text and text.startswith("# Benchmarks\n\nbefore") and text.endswith("after\n")
-    assert all(f"| {name} |" in text for name in ARMS)
+    ran = result["records"][0]["arms"]
+    assert all(f"| {name} |" in text for name in ran)
     assert chart.read_bytes() == (run_dir / "results.png").read_bytes()
     write_docs(run_dir, docs, chart)  # again: the markers stay, the content is replaced, not appended
     assert docs.read_text() == text

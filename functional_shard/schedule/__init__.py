@@ -10,7 +10,7 @@ replace or drop the built-in ones, add your own.
 - config (`_schedule.py`): `Schedule` (the convenient form expands to `default_passes(...)`,
   read back as `schedule.pass_list`), `apply_schedule(gm, schedule, context)`;
 - passes (`_passes.py`): `reshard_after_forward`, `prefetch`, `early_reduce_scatter`,
-  `bucket_gathers`, `limit_in_flight`, `function_pass`, the base `Pass`, and `PassContext`
+  `bucket_gathers`, `bucket_reduce_scatters`, `limit_in_flight`, `function_pass`, the base `Pass`, and `PassContext`
   (what the mesh allows: `max_collectives_in_flight`, world size, shards);
 - rematerialization (`_remat.py`): `rematerialize`, the one pass that adds computation — it
   recomputes chosen units' forward values before their backward (same bits, less memory);
@@ -44,6 +44,7 @@ from ._graph import uses as uses
 from ._context import Pass as Pass
 from ._context import PassContext as PassContext
 from ._passes import bucket_gathers as bucket_gathers
+from ._passes import bucket_reduce_scatters as bucket_reduce_scatters
 from ._passes import early_reduce_scatter as early_reduce_scatter
 from ._context import function_pass as function_pass
 from ._passes import limit_in_flight as limit_in_flight
@@ -67,6 +68,7 @@ __all__ = [
     "prefetch",
     "early_reduce_scatter",
     "bucket_gathers",
+    "bucket_reduce_scatters",
     "limit_in_flight",
     "rematerialize",
     # graph tools

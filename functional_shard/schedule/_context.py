@@ -15,6 +15,8 @@ class PassContext:
     Attributes:
         max_collectives_in_flight: the most collectives the backend may have issued and not
             yet waited at once (None: no limit); `limit_in_flight` enforces it.
+        max_in_flight_per_group: the most of them on any one process group (the group name a
+            collective node names); None: no limit of its own.
         world_size: ranks in the world.
         num_shards: into how many slices each parameter buffer is cut (the shard axis' size).
     """
@@ -22,6 +24,7 @@ class PassContext:
     max_collectives_in_flight: int | None = None
     world_size: int = 1
     num_shards: int = 1
+    max_in_flight_per_group: int | None = None
 
     @classmethod
     def for_mesh(cls, mesh) -> "PassContext":
@@ -30,6 +33,7 @@ class PassContext:
             max_collectives_in_flight=mesh.max_collectives_in_flight,
             world_size=mesh.world_size,
             num_shards=mesh.num_shards,
+            max_in_flight_per_group=getattr(mesh, "max_collectives_in_flight_per_group", None),
         )
 
 

@@ -205,17 +205,20 @@ class early_reduce_scatter(Pass):
 @dataclasses.dataclass(frozen=True)
 class limit_in_flight(Pass):
     """Wait for each collective before the k-th next one is issued, so that at most k are in
-    flight at once (moving waits earlier only; compute still overlaps the ones in flight).
+    flight at once, and at most `context.max_in_flight_per_group` on any one process group
+    (moving waits earlier only; compute still overlaps the ones in flight).
 
     k is the mesh's `max_collectives_in_flight` (from the pass context), or `max_in_flight`
-    when that is smaller; with neither, the pass changes nothing.
+    when that is smaller; with neither, and no bound per group, the pass changes nothing.
 
-    Why gloo needs k = 1: it runs a process group's collectives on two worker threads that
-    share one context; with two collectives in flight at once, ranks were seen to deadlock
+    Why gloo needs one per group: a gloo group runs its collectives on worker threads that
+    share one context; with two collectives in flight on one group, ranks were seen to deadlock
     inside gloo (one rank spinning in a ring all-reduce's buffer teardown, the other waiting
-    for a later collective), about once in a few thousand steps. With one in flight, the
-    worker threads never run two at once. Prefetching k > 1 units then means: unit i+k's
-    gather is issued while unit i computes, once unit i+k-1's has arrived."""
+    for a later collective), about once in a few thousand steps. `Mesh` therefore gives
+    all-gathers and reduce-scatters separate groups (separate contexts and threads), and
+    bounds each to one in flight: a unit's reduce-scatter overlaps the next unit's all-gather
+    and the backward, and prefetching k > 1 units means unit i+k's gather is issued while unit
+    i computes, once unit i+k-1's has arrived."""
 
     max_in_flight: int | None = None
 
@@ -228,11 +231,28 @@ class limit_in_flight(Pass):
         return min(bounds) if bounds else None
 
     def __call__(self, gm: fx.GraphModule, context: PassContext) -> fx.GraphModule:
+        per_group = context.max_in_flight_per_group
+        if per_group is not None:
+            for members in by_group(collectives(gm)).values():
+                _wait_before_later_issue(gm, members, per_group)
         bound = self.bound(context)
         if bound is not None:
             _wait_before_later_issue(gm, collectives(gm), bound)
         gm.graph.lint()
         return gm
+
+
+def group_of(c: Collective) -> str:
+    """The name of the process group collective `c` runs on (the last argument of its node)."""
+    return str(c.issue.args[-1])
+
+
+def by_group(ordered: list[Collective]) -> dict[str, list[Collective]]:
+    """`ordered`'s collectives by process group, each list in the order given."""
+    out: dict[str, list[Collective]] = {}
+    for c in ordered:
+        out.setdefault(group_of(c), []).append(c)
+    return out
 
 
 def _wait_before_later_issue(gm: fx.GraphModule, ordered: list[Collective], k: int) -> None:
@@ -338,3 +358,122 @@ def _merge_gathers(gm: fx.GraphModule, bucket: list[Collective]) -> None:
         members=tuple(members),
     )
     tag(issue, record)
+
+
+@dataclasses.dataclass(frozen=True)
+class bucket_reduce_scatters(Pass):
+    """Merge reduce-scatters of the same dtype and process group, next to each other in issue
+    order, into buckets of at most `bucket_bytes` (full buffers): one collective reduces the
+    members' full gradients laid side by side rank by rank (`[num_shards, n_i]` each, joined
+    along the second axis), issued where the last member was (every member's gradient is
+    complete there), waited where the first member was waited; each member's result is then
+    copied out of it into a buffer of its own shape, and its readers read the copy, so every
+    sum is computed by the same kernel on the same shapes as without buckets: bit-identical.
+
+    A member joins a bucket only if no member before it was waited before it is issued (a
+    bucket never waits later than its members did). `bucket_bytes=0` changes nothing. Run it
+    after `early_reduce_scatter` and before `limit_in_flight`."""
+
+    bucket_bytes: int
+
+    def __post_init__(self) -> None:
+        _check_int("bucket_reduce_scatters", "bucket_bytes", self.bucket_bytes, 0)
+
+    def __call__(self, gm: fx.GraphModule, context: PassContext) -> fx.GraphModule:
+        if self.bucket_bytes <= 0:
+            return gm
+        position = positions(gm)
+        buckets: list[list[Collective]] = []
+        for c in collectives(gm):
+            if c.kind != "reduce_scatter" or c.issue.target not in _SCATTER_OPS:
+                continue
+            last = buckets[-1] if buckets else None
+            if last is not None and self._fits(last, c, position):
+                last.append(c)
+            else:
+                buckets.append([c])
+        for bucket in buckets:
+            if len(bucket) > 1:
+                _merge_scatters(gm, bucket)
+        gm.graph.lint()
+        return gm
+
+    def _fits(self, bucket: list[Collective], c: Collective, position: dict[fx.Node, int]) -> bool:
+        first = bucket[0].issue
+        return (
+            sum(m.nbytes for m in bucket) + c.nbytes <= self.bucket_bytes
+            and c.issue.target is first.target
+            and _scatter_group(c.issue) == _scatter_group(first)
+            and _scatter_shards(c.issue) == _scatter_shards(first)
+            and c.issue.args[0].meta["val"].dtype == first.args[0].meta["val"].dtype
+            and not c.tag.members
+            and all(position[m.wait] > position[c.issue] for m in bucket)
+        )
+
+
+# The two forms of a reduce-scatter in a traced step (see Mesh.reduce_scatter_flat):
+# reduce_scatter_tensor(full, op, num_shards, group) and, on gloo, all_to_all_single(full,
+# output_splits, input_splits, group) followed by a local sum of the received slices.
+_SCATTER_OPS = (_C10D.reduce_scatter_tensor.default, _C10D.all_to_all_single.default)
+
+
+def _scatter_group(issue: fx.Node) -> str:
+    return str(issue.args[-1])
+
+
+def _scatter_shards(issue: fx.Node) -> int:
+    return issue.args[2] if issue.target is _C10D.reduce_scatter_tensor.default else len(issue.args[1])
+
+
+def _merge_scatters(gm: fx.GraphModule, bucket: list[Collective]) -> None:
+    aten = torch.ops.aten
+    position = positions(gm)
+    first = bucket[0].issue
+    num_shards = _scatter_shards(first)
+    fulls = [c.issue.args[0] for c in bucket]
+    lengths = [f.meta["val"].numel() // num_shards for f in fulls]
+    total = sum(lengths)
+    last_issue = max((c.issue for c in bucket), key=position.__getitem__)
+    first_wait = min((c.wait for c in bucket), key=position.__getitem__)
+    anchor = last_issue.next
+    with gm.graph.inserting_before(anchor):
+        rows = [gm.graph.call_function(aten.view.default, (f, [num_shards, n])) for f, n in zip(fulls, lengths)]
+        joined = gm.graph.call_function(aten.cat.default, (rows, 1))
+        flat = gm.graph.call_function(aten.view.default, (joined, [num_shards * total]))
+        if first.target is _C10D.all_to_all_single.default:
+            args = (flat, [total] * num_shards, [total] * num_shards, first.args[3])
+        else:
+            args = (flat, *first.args[1:])
+        issue = gm.graph.call_function(first.target, args)
+    with gm.graph.inserting_before(first_wait):
+        wait = gm.graph.call_function(WAIT_OP, (issue,))
+    received_rows = first.target is _C10D.all_to_all_single.default
+    if received_rows:
+        with gm.graph.inserting_after(wait):
+            received = gm.graph.call_function(aten.view.default, (wait, [num_shards, total]))
+    members, offset = [], 0
+    for c, length in zip(bucket, lengths):
+        with gm.graph.inserting_before(c.wait):
+            if received_rows:
+                # This member's slices from every rank, as one contiguous [num_shards * n] buffer:
+                # what its own all-to-all would have received.
+                part = gm.graph.call_function(aten.slice.Tensor, (received, 1, offset, offset + length))
+                copy = gm.graph.call_function(aten.clone.default, (part,), {"memory_format": torch.contiguous_format})
+                result = gm.graph.call_function(aten.view.default, (copy, [num_shards * length]))
+            else:
+                part = gm.graph.call_function(aten.slice.Tensor, (wait, 0, offset, offset + length))
+                result = gm.graph.call_function(aten.clone.default, (part,), {"memory_format": torch.contiguous_format})
+        c.wait.replace_all_uses_with(result)
+        members.append(Member(c.buffer, c.unit, result, c.nbytes))
+        offset += length
+    for c in bucket:
+        gm.graph.erase_node(c.wait)
+        gm.graph.erase_node(c.issue)
+    tag(issue, CollectiveTag(
+        kind="reduce_scatter",
+        buffer="+".join(m.buffer for m in members),
+        unit="+".join(dict.fromkeys(m.unit for m in members)),
+        phase=bucket[0].phase,
+        nbytes=sum(m.nbytes for m in members),
+        members=tuple(members),
+    ))

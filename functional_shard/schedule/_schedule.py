@@ -206,6 +206,19 @@ def apply_schedule(
 
 
 def _check_in_flight(gm: fx.GraphModule, passes: Sequence[Pass], context: PassContext) -> None:
+    per_group = context.max_in_flight_per_group
+    if per_group is not None:
+        position = _passes.positions(gm)
+        for group, members in _passes.by_group(_passes.collectives(gm)).items():
+            spans = [(position[c.issue], c.issue.name, position[c.wait]) for c in members]
+            for point, _, _ in spans:
+                in_flight = [name for start, name, end in spans if start <= point < end]
+                if len(in_flight) > per_group:
+                    raise ValueError(
+                        f"the schedule's passes {list(passes)} leave {len(in_flight)} collectives in flight at once on "
+                        f"process group {group} ({', '.join(in_flight)}), but this mesh allows at most {per_group} per "
+                        f"group (gloo deadlocks, rarely, with more). End the pass list with fs.schedule.limit_in_flight()"
+                    )
     bound = context.max_collectives_in_flight
     if bound is None:
         return
