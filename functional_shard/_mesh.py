@@ -256,7 +256,7 @@ class Mesh(BaseMesh):
         device_mesh: the underlying `torch.distributed.device_mesh.DeviceMesh`.
     """
 
-    def __init__(self, device_mesh: DeviceMesh, *, shard_axis: str | None = None):
+    def __init__(self, device_mesh: DeviceMesh, *, shard_axis: str | None = None, split_groups: bool = False):
         names = device_mesh.mesh_dim_names
         assert names is not None, "the DeviceMesh must have named dimensions"
         self.device_mesh = device_mesh
@@ -272,13 +272,17 @@ class Mesh(BaseMesh):
         # All-gathers on one group, reduce-scatters and all-reduces on another: on gloo each
         # group has its own context and worker threads, so a unit's reduce-scatter can be in
         # flight while the next unit's all-gather is, one collective per group at a time.
+        # Opt-in (split_groups=True): a 20,000-step soak with two in flight passed once and
+        # crashed once (SIGSEGV in a rank, not a hang), so one group and one collective in
+        # flight stay the default on gloo.
         self._gather_group_names = dict(self._group_names)
         self._reduce_group_names = dict(self._group_names)
         if self._gloo:
-            self._gather_group_names = _new_axis_groups(device_mesh, self.axis_names)
-            self._reduce_group_names = _new_axis_groups(device_mesh, self.axis_names)
             self.max_collectives_in_flight = 1
             self.max_collectives_in_flight_per_group = 1
+            if split_groups:
+                self._gather_group_names = _new_axis_groups(device_mesh, self.axis_names)
+                self._reduce_group_names = _new_axis_groups(device_mesh, self.axis_names)
 
     def __enter__(self) -> "Mesh":
         return self
@@ -341,6 +345,7 @@ def init_mesh(
     shard_axis: str | None = None,
     backend: str | None = None,
     timeout: float | datetime.timedelta | None = None,
+    split_groups: bool = False,
 ) -> Mesh:
     """Join (or create) the default process group and name its ranks' axes.
 
@@ -352,6 +357,10 @@ def init_mesh(
         backend: `"nccl"` when CUDA is available, else `"gloo"` (default).
         timeout: seconds (or a timedelta) a collective may wait for the other ranks before it
             raises; a rank that dies thus never leaves the others hanging forever. Default 600 s.
+        split_groups: gloo only, experimental: all-gathers and reduce-scatters on process groups
+            of their own (their own gloo contexts and threads), so that a schedule may keep one
+            of each in flight (set `mesh.max_collectives_in_flight = 2`). Off by default: see
+            docs/benchmarks.md for the soak that has not yet proved it.
 
     Works under `torchrun` and `fs.launch` (both set `RANK`, `WORLD_SIZE`, `MASTER_ADDR`,
     `MASTER_PORT`, `LOCAL_RANK`), and in a process whose default group already exists (then
@@ -383,7 +392,7 @@ def init_mesh(
         _check_product(names, sizes, dist.get_world_size())
     device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
     device_mesh = init_device_mesh(device_type, sizes, mesh_dim_names=names)
-    return Mesh(device_mesh, shard_axis=shard_axis)
+    return Mesh(device_mesh, shard_axis=shard_axis, split_groups=split_groups)
 
 
 def shutdown(*, barrier: bool = True) -> None:

@@ -33,7 +33,7 @@ def rank_main(steps: int, units: int, in_flight: int, hang_after: float, check_s
     from functional_shard.models import MLP
 
     torch.set_num_threads(1)
-    mesh = fs.init_mesh({"fsdp": int(os.environ["WORLD_SIZE"])}, timeout=max(60.0, 2 * hang_after))
+    mesh = fs.init_mesh({"fsdp": int(os.environ["WORLD_SIZE"])}, timeout=max(60.0, 2 * hang_after), split_groups=True)
     mesh.max_collectives_in_flight = in_flight
     torch.manual_seed(0)
     apply_fn, params = fs.functionalize(MLP(32, 64, 8, n_blocks=units))
