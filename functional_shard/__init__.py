@@ -31,7 +31,7 @@ from ._reference import WeightedLoss as WeightedLoss
 from .precision import LossScale as LossScale
 from .precision import LossScaleState as LossScaleState
 from .precision import Precision as Precision
-from ._mesh import SimulatedMesh as SimulatedMesh
+from ._simulated import SimulatedMesh as SimulatedMesh
 from ._mesh import init_mesh as init_mesh
 from ._mesh import shutdown as shutdown
 from ._pool import WorkerPool as WorkerPool

@@ -18,7 +18,8 @@ import traceback
 from typing import Any, Callable
 
 from ._failures import Failure, FailureKind, RankError, first_cause
-from ._mesh import SimulatedMesh, _Rendezvous, init_mesh
+from ._mesh import init_mesh
+from ._simulated import SimulatedMesh, _Rendezvous
 from ._pool import WorkerPool
 
 __all__ = ["LocalWorld", "SimulatedWorld"]

@@ -74,15 +74,14 @@ def batches(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one batch of random windows for next-token prediction.
 
-    Args:
-        tokens: 1-D int64 tensor of the encoded corpus, longer than ``block_size``.
-        batch_size: number of windows ``B``.
-        block_size: window length ``T``.
+    Arguments:
+        tokens: 1-D int64 tensor of the encoded corpus, longer than `block_size`.
+        batch_size: number of windows `B`.
+        block_size: window length `T`.
         generator: the only source of randomness; it is advanced by one draw.
 
-    Returns:
-        ``(x, y)``, both int64 of shape ``(B, T)``, with ``y[b, t] == tokens[s_b + t + 1]``
-        where ``x[b, t] == tokens[s_b + t]``: ``y`` is ``x`` shifted by one position.
+    Returns `(x, y)`, both int64 of shape `(B, T)`, with `y[b, t] == tokens[s_b + t + 1]`
+    where `x[b, t] == tokens[s_b + t]`: `y` is `x` shifted by one position.
     """
     if tokens.dim() != 1:
         raise ValueError(f"tokens must be 1-D, got shape {tuple(tokens.shape)}")
