@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import threading
 from typing import Any, Iterator, NamedTuple
 
 import torch.compiler
@@ -106,6 +107,32 @@ def record(kind: str) -> None:
         log.append(Issued(kind, _BUFFER.get(), _PHASE.get(), _MICROBATCH.get()))
 
 
+class _CompilingFlag:
+    """torch's process-wide "is compiling" flag, set while any thread is inside
+    `graph_semantics` and restored when the last one leaves (the thread-ranks of a simulated
+    mesh run loss functions at the same time: a plain save/restore per thread could leave the
+    flag set for good, and change torch.optim's code path for the rest of the process)."""
+
+    lock = threading.Lock()
+    depth = 0
+    saved = False
+
+    @classmethod
+    def enter(cls) -> None:
+        with cls.lock:
+            if cls.depth == 0:
+                cls.saved = torch.compiler._is_compiling_flag
+                torch.compiler._is_compiling_flag = True
+            cls.depth += 1
+
+    @classmethod
+    def exit(cls) -> None:
+        with cls.lock:
+            cls.depth -= 1
+            if cls.depth == 0:
+                torch.compiler._is_compiling_flag = cls.saved
+
+
 @contextlib.contextmanager
 def graph_semantics() -> Iterator[None]:
     """Run `loss_fn` as torch.export does: `torch.compiler.is_compiling()` is True inside.
@@ -115,9 +142,8 @@ def graph_semantics() -> Iterator[None]:
     cannot decide. The eager reference runs under it too, so that both take the same code
     path (and give the same bits). It sets torch's own flag for the duration (restored after).
     """
-    old = torch.compiler._is_compiling_flag
-    torch.compiler._is_compiling_flag = True
+    _CompilingFlag.enter()
     try:
         yield
     finally:
-        torch.compiler._is_compiling_flag = old
+        _CompilingFlag.exit()

@@ -99,9 +99,10 @@ class rematerialize(Pass):
         position = positions(gm)
         end_node = forward_end(gm)
         end = position[end_node]
-        if any(c.kind == "reduce_scatter" and position[c.issue] <= end for c in collectives(gm)):
-            # With micro-batches the step's loss (the marked end of the forward) is computed after
-            # every micro-batch's backward, so "after the forward" does not mean "the backward".
+        ends = sum(1 for node in gm.graph.nodes if node.meta.get(_FORWARD_END_KEY))
+        if ends > 1 or any(c.kind == "reduce_scatter" and position[c.issue] <= end for c in collectives(gm)):
+            # With micro-batches the graph has one forward and one backward per micro-batch (one
+            # marked end each); the pass handles a single forward followed by its backward.
             raise ValueError(
                 "rematerialize: this step's graph runs backward passes before the end of its forward "
                 "(sharded_step(..., microbatches=k) with k > 1), which the pass does not support yet: use "
