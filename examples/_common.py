@@ -185,14 +185,17 @@ def summary(
     """The closing lines of an example: what ran, how long, how much memory and traffic."""
     later = sorted(step_seconds[1:]) or [float("nan")]  # the first step includes the trace
     median = later[len(later) // 2]
-    lines = [
-        f"steps: {steps} in {seconds:.1f} s ({tokens / seconds:,.0f} tokens/s over all ranks; "
-        f"median step {1000 * median:.0f} ms, first step {1000 * step_seconds[0]:.0f} ms with tracing)"
-        if step_seconds else f"steps: {steps} in {seconds:.1f} s",
-        "peak memory (max RSS) per rank: " + ", ".join(f"rank {r} {m:,.0f} MiB" for r, m in enumerate(peak_mib)),
+    lines = [f"steps: {steps} in {seconds:.1f} s ({tokens / seconds:,.0f} tokens/s over all ranks)"]
+    if step_seconds:
+        lines[0] = lines[0][:-1] + (
+            f"; median step {1000 * median:.0f} ms, first step {1000 * step_seconds[0]:.0f} ms with tracing)"
+        )
+    per_rank = ", ".join(f"rank {r} {m:,.0f} MiB" for r, m in enumerate(peak_mib))
+    lines.append(f"peak memory (max RSS) per rank: {per_rank}")
+    lines.append(
         f"moved per step (full buffers): all-gather {format_bytes(all_gather_bytes)}, "
-        f"reduce-scatter {format_bytes(reduce_scatter_bytes)}",
-    ]
+        f"reduce-scatter {format_bytes(reduce_scatter_bytes)}"
+    )
     if history.train_loss:
         first, last = history.train_loss[0], history.train_loss[-1]
         lines.append(f"loss: first {first:.3f}, final {last:.3f} ({100 * (1 - last / first):.0f}% lower)")

@@ -33,7 +33,7 @@ from functional_shard.data import CharTokenizer, batches, load_text
 from functional_shard.models import GPT, GPTConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (  # noqa: E402 - the examples' own helpers, beside this file
+from _common import (  # the examples' own helpers, beside this file
     History,
     Progress,
     Timer,

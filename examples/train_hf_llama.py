@@ -42,7 +42,7 @@ import functional_shard as fs
 from functional_shard.data import load_text
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (  # noqa: E402 - the examples' own helpers, beside this file
+from _common import (  # the examples' own helpers, beside this file
     History,
     Progress,
     Timer,
@@ -152,18 +152,19 @@ def build_model(config: TrainConfig):
     return LlamaForCausalLM(model_config)
 
 
+REMAT_UNAVAILABLE = (
+    "--remat: rematerialization is not available in this version of functional_shard "
+    f"({fs.__version__}: fs.Schedule has no 'remat' field). Run without --remat."
+)
+
+
 def make_schedule(config: TrainConfig) -> fs.Schedule:
+    """The default schedule (traced, prefetch 1, reshard after forward), with remat if asked for."""
     if not config.remat:
         return fs.Schedule()
     if "remat" not in {f.name for f in dataclasses.fields(fs.Schedule)}:
         raise SystemExit(REMAT_UNAVAILABLE)
     return fs.Schedule(remat=True)
-
-
-REMAT_UNAVAILABLE = (
-    "--remat: rematerialization is not available in this version of functional_shard "
-    f"({fs.__version__}: fs.Schedule has no 'remat' field). Run without --remat."
-)
 
 
 # --- one rank --------------------------------------------------------------------------------------
@@ -193,7 +194,9 @@ def main(config: TrainConfig) -> dict:
     optimizer = fs.optim.adamw(lr=config.lr, weight_decay=config.weight_decay)
     if config.clip > 0:
         optimizer = fs.optim.chain(fs.optim.clip_by_global_norm(config.clip), optimizer)
-    precision = fs.Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if config.precision == "bf16" else None
+    precision = None
+    if config.precision == "bf16":  # bf16 gathers and compute; fp32 gradient reduction and master shards
+        precision = fs.Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     step = fs.sharded_step(
         loss_fn,
         mesh,
@@ -247,7 +250,7 @@ def main(config: TrainConfig) -> dict:
             save_checkpoint()
     progress.close()
     seconds = time.perf_counter() - began
-    if config.eval_every:
+    if config.eval_every and state.step not in history.eval_steps:
         evaluate()
     if state.step > start:
         save_checkpoint()
@@ -320,7 +323,8 @@ def parse_args(argv=None) -> TrainConfig:
     parser.add_argument("--microbatches", type=int, default=d.microbatches,
                         help="gradient accumulation: split each batch into this many (divides --batch-size)")
     parser.add_argument("--clip", type=float, default=d.clip, help="clip the gradient's global norm (0: off)")
-    parser.add_argument("--remat", action="store_true", help="recompute activations in backward (fs.Schedule(remat=True))")
+    parser.add_argument("--remat", action="store_true",
+                        help="recompute activations in backward (fs.Schedule(remat=True))")
     parser.add_argument("--eval-every", type=int, default=d.eval_every, help="held-out loss every N steps (0: off)")
     parser.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every,
                         help="save a checkpoint every N steps (always at the end)")

@@ -6,6 +6,7 @@ of this machine too."""
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import os
 import socket
@@ -35,7 +36,8 @@ def clean_environment(**extra: str) -> dict[str, str]:
 def run_example(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     """Run an example as a user would: a fresh interpreter, no torchrun variables."""
     return subprocess.run(
-        [sys.executable, *args], cwd=ROOT, env=clean_environment(), capture_output=True, text=True, timeout=timeout
+        [sys.executable, *args], cwd=ROOT, env=clean_environment(), capture_output=True, text=True, timeout=timeout,
+        check=False,
     )
 
 
@@ -158,30 +160,28 @@ def test_torchrun_two_nodes_on_loopback_train_the_example(tmp_path):
         GLOO_SOCKET_IFNAME="lo" if sys.platform.startswith("linux") else "lo0",  # gloo on loopback
         OMP_NUM_THREADS="1",
     )
+    logs = {node: (tmp_path / f"node{node}.out", tmp_path / f"node{node}.err") for node in (0, 1)}
     agents = []
-    for node in (0, 1):
-        command = [
-            sys.executable, "-m", "torch.distributed.run",
-            "--nnodes", "2", "--nproc-per-node", "1",
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "fs-two-nodes",
-            # The rendezvous store lives in node 0's agent (both agents see 127.0.0.1 as their own address).
-            "--rdzv-conf", f"is_host={'true' if node == 0 else 'false'},join_timeout=120",
-            str(EXAMPLES / "train_gpt.py"), "--steps", "3", "--out", str(tmp_path / f"node{node}"),
-        ]  # fmt: skip
-        logs = (open(tmp_path / f"node{node}.out", "w+"), open(tmp_path / f"node{node}.err", "w+"))
-        agents.append((subprocess.Popen(command, cwd=ROOT, env=env, stdout=logs[0], stderr=logs[1]), logs))
-    try:
-        codes = [agent.wait(timeout=300) for agent, _ in agents]
-    finally:
-        for agent, _ in agents:
-            if agent.poll() is None:
-                agent.kill()
-                agent.wait()
-    outputs = []
-    for (_, (out, err)), node in zip(agents, (0, 1)):
-        out.seek(0), err.seek(0)
-        outputs.append((out.read(), err.read()))
-        out.close(), err.close()
+    with contextlib.ExitStack() as files:
+        for node in (0, 1):
+            command = [
+                sys.executable, "-m", "torch.distributed.run",
+                "--nnodes", "2", "--nproc-per-node", "1",
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "fs-two-nodes",
+                # The rendezvous store lives in node 0's agent (both agents see 127.0.0.1 as their own address).
+                "--rdzv-conf", f"is_host={'true' if node == 0 else 'false'},join_timeout=120",
+                str(EXAMPLES / "train_gpt.py"), "--steps", "3", "--out", str(tmp_path / f"node{node}"),
+            ]  # fmt: skip
+            out, err = (files.enter_context(open(path, "w")) for path in logs[node])
+            agents.append(subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=err))
+        try:
+            codes = [agent.wait(timeout=300) for agent in agents]
+        finally:
+            for agent in agents:
+                if agent.poll() is None:
+                    agent.kill()
+                    agent.wait()
+    outputs = [(logs[node][0].read_text(), logs[node][1].read_text()) for node in (0, 1)]
     assert codes == [0, 0], "\n\n".join(f"node {n} stderr:\n{e[-3000:]}" for n, (_, e) in enumerate(outputs))
     # Rank 0 (on whichever node the rendezvous made it) trained 3 steps and reported.
     reports = [o for o, _ in outputs if "steps: 3 in" in o]

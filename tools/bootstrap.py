@@ -72,7 +72,7 @@ def setup() -> None:
         return
     began = time.monotonic()
     if not PYTHON.exists():
-        if sys.version_info < (3, 10):
+        if sys.version_info < (3, 10):  # noqa: UP036 - this runs on whatever python3 there is
             sys.exit(f"functional_shard needs Python >= 3.10; this is {sys.version.split()[0]} ({sys.executable})")
         say(f"creating {VENV.relative_to(ROOT)} with {sys.executable} ({sys.version.split()[0]})")
         try:
@@ -88,8 +88,11 @@ def setup() -> None:
     say(f"installing functional_shard (editable) with the [{EXTRAS}] extra")
     # The pin again, as a constraint of this install: nothing may replace the torch just installed.
     run(pip + ["-e", f".[{EXTRAS}]", TORCH_REQUIREMENT])
-    run([str(PYTHON), "-c", "import torch, functional_shard; "
-         "print('[bootstrap] torch', torch.__version__, '| functional_shard', functional_shard.__version__)"])
+    versions = (
+        "import torch, functional_shard as fs; "
+        "print('[bootstrap] torch', torch.__version__, '| functional_shard', fs.__version__)"
+    )
+    run([str(PYTHON), "-c", versions])
     STAMP.write_text(key + "\n")
     say(f"set-up done in {time.monotonic() - began:.0f} s")
 
