@@ -108,15 +108,15 @@ class History:
 
 
 def _smooth(values: list[float], window: int) -> list[float]:
-    """Centered moving average (the window shrinks at both ends), so the curve does not lag the steps."""
-    half = window // 2
+    """Centered moving average, so the curve does not lag the steps; near the ends the window
+    shrinks symmetrically (down to the point itself), so the steep start is not flattened."""
     prefix = [0.0]
     for v in values:
         prefix.append(prefix[-1] + v)
     out = []
     for i in range(len(values)):
-        lo, hi = max(0, i - half), min(len(values), i + half + 1)
-        out.append((prefix[hi] - prefix[lo]) / (hi - lo))
+        half = min(window // 2, i, len(values) - 1 - i)
+        out.append((prefix[i + half + 1] - prefix[i - half]) / (2 * half + 1))
     return out
 
 
