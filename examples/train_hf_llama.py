@@ -54,6 +54,9 @@ from _common import (  # the examples' own helpers, beside this file
     summary,
 )
 
+# Everything is local: transformers must not reach for the Hub (set before it is imported).
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
 BOS, EOS, PAD = 256, 257, 258  # byte-level vocabulary: 256 bytes and three special ids
 VOCAB_SIZE = 259
 IGNORE = -100  # labels the loss skips (F.cross_entropy's and transformers' ignore_index)
