@@ -11,23 +11,39 @@ or under torchrun, which starts the processes itself::
 Every rank builds the same initial model (same seed), draws its own batches
 (seed + rank) from the corpus shipped in ``functional_shard.data``, and takes
 sharded AdamW steps. At the end rank 0 loads the exported weights back into the
-``nn.Module`` and prints a sample of generated text.
+``nn.Module`` and prints a sample of generated text, a summary (time, peak memory per
+rank, bytes moved per step) and where it wrote the loss curve (``--out``, default
+``results/train_gpt/loss.png``).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
+import time
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
-import torch.distributed
 import torch.nn.functional as F
-from tqdm import tqdm
 
 import functional_shard as fs
 from functional_shard.data import CharTokenizer, batches, load_text
 from functional_shard.models import GPT, GPTConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import (  # the examples' own helpers, beside this file
+    History,
+    Progress,
+    Timer,
+    gather_from_ranks,
+    launched_by_torchrun,
+    limit_threads,
+    peak_rss_mib,
+    plot_losses,
+    summary,
+)
 
 
 @dataclass(frozen=True)
@@ -45,13 +61,13 @@ class TrainConfig:
     n_head: int = 4
     d_model: int = 128
     sample_chars: int = 200
+    out: str = "results/train_gpt"
 
 
 def main(config: TrainConfig) -> dict[str, float | str]:
-    """Train on this rank; returns ``first_loss``, ``final_loss`` (means over ranks) and, on rank 0, ``sample``."""
-    if int(os.environ.get("LOCAL_WORLD_SIZE", config.world_size)) > 1:
-        # Several ranks share this machine's cores: more threads each would only contend.
-        torch.set_num_threads(1)
+    """Train on this rank; returns ``first_loss``, ``final_loss`` (means over ranks) and, on rank 0,
+    ``sample``, ``summary`` and ``plot``."""
+    limit_threads()
     mesh = fs.init_mesh({"fsdp": config.world_size})
 
     text = load_text()
@@ -83,18 +99,38 @@ def main(config: TrainConfig) -> dict[str, float | str]:
 
     # A different stream per rank, so the ranks together see world_size times as much data per step.
     generator = torch.Generator().manual_seed(config.seed + mesh.rank)
-    losses: list[float] = []
-    progress = tqdm(range(config.steps), desc="train", disable=mesh.rank != 0)
-    for _ in progress:
+    history = History()
+    tokens_per_step = config.batch_size * config.block_size * config.world_size
+    progress = Progress(config.steps, rank=mesh.rank)
+    began = time.perf_counter()
+    for n in range(config.steps):
         batch = batches(tokens, config.batch_size, config.block_size, generator=generator)
-        state, metrics = step(state, batch)
-        losses.append(float(metrics["loss"]))
-        progress.set_postfix(loss=f"{losses[-1]:.3f}")
+        with Timer() as timer:
+            state, metrics = step(state, batch)
+            loss = float(metrics["loss"])  # the mean over ranks
+        history.train_steps.append(n)
+        history.train_loss.append(loss)
+        history.step_seconds.append(timer.seconds)
+        progress.update(loss, tokens_per_step, timer.seconds)
     progress.close()
+    seconds = time.perf_counter() - began
+    peak = gather_from_ranks(peak_rss_mib())  # a collective
 
-    result: dict[str, float | str] = {"first_loss": losses[0], "final_loss": losses[-1]}
+    result: dict[str, float | str] = {"first_loss": history.train_loss[0], "final_loss": history.train_loss[-1]}
     exported = fs.export(state)  # a collective: every rank calls it
     if mesh.rank == 0:
+        result["summary"] = summary(
+            steps=config.steps,
+            seconds=seconds,
+            tokens=tokens_per_step * config.steps,
+            peak_mib=peak,
+            all_gather_bytes=metrics["all_gather_bytes"],
+            reduce_scatter_bytes=metrics["reduce_scatter_bytes"],
+            step_seconds=history.step_seconds,
+            history=history,
+        )
+        title = f"GPT ({config.n_layer} layers, d={config.d_model}) on {config.world_size} ranks, fs.sharded_step"
+        result["plot"] = str(plot_losses(Path(config.out) / "loss.png", history, title=title))
         model.load_state_dict(exported)
         model.eval()
         prompt = tokenizer.encode("\n").reshape(1, -1)
@@ -112,23 +148,26 @@ def parse_args() -> TrainConfig:
     parser.add_argument("--batch-size", type=int, default=defaults.batch_size, help="sequences per rank per step")
     parser.add_argument("--lr", type=float, default=defaults.lr)
     parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--out", default=defaults.out, help="where loss.png goes")
     args = parser.parse_args()
     return TrainConfig(
-        world_size=args.world_size, steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed
+        world_size=args.world_size, steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
+        out=args.out,
     )
 
 
 def report(result: dict[str, float | str]) -> None:
-    first, final = result["first_loss"], result["final_loss"]
-    print(f"first loss {first:.3f}, final loss {final:.3f} ({100 * (1 - final / first):.0f}% lower)")
     print("sample:")
     print(result["sample"])
-    print({"first_loss": first, "final_loss": final})
+    print()
+    print(result["summary"])
+    print(f"loss curve: {result['plot']}")
+    print({"first_loss": result["first_loss"], "final_loss": result["final_loss"]})
 
 
 if __name__ == "__main__":
     config = parse_args()
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+    if launched_by_torchrun():
         # torchrun started this process as one rank: run it here, the world size is torchrun's.
         config = replace(config, world_size=int(os.environ["WORLD_SIZE"]))
         result = main(config)

@@ -26,6 +26,7 @@ import ctypes.util
 import io
 import multiprocessing
 import multiprocessing.connection
+import multiprocessing.util
 import os
 import signal
 import socket
@@ -128,6 +129,15 @@ def _die_with_parent(parent_pid: int) -> None:
 
 def _finish(code: int) -> None:
     """Leave now: flush what the rank printed, skip interpreter shutdown (see the module docstring)."""
+    # os._exit skips multiprocessing's exit finalizers too. A spawned rank's default start
+    # method is "spawn", so a lock made there (tqdm makes one per process) is a named
+    # semaphore registered with the resource tracker: without its finalizer, the tracker
+    # reports "leaked semaphore objects" when the launcher exits. Run those finalizers
+    # (priority >= 0: what multiprocessing's own exit handler runs first) before leaving.
+    try:
+        multiprocessing.util._run_finalizers(0)
+    except Exception:  # noqa: BLE001 - never let cleanup keep a rank from exiting
+        pass
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

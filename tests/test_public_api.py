@@ -49,7 +49,7 @@ def test_the_checker_finds_private_uses(tmp_path):
 
 
 def public_names():
-    modules = [fs, fs.optim, fs.schedule, fs.testing]
+    modules = [fs, fs.optim, fs.schedule, fs.testing, fs.checkpoint, fs.precision, fs.analysis, fs.initialize]
     for module in modules:
         for name in module.__all__:
             obj = getattr(module, name)
