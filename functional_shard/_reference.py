@@ -85,7 +85,7 @@ class Gradients(NamedTuple):
     mean_loss: torch.Tensor  # the loss over every rank (weighted mean), 0-d float32
     aux: Any  # what loss_fn returned besides the loss (None without has_aux; per micro-batch: a list)
     finite: torch.Tensor | None  # with loss scaling: whether the whole gradient is finite (0-d bool)
-    microbatch_losses: tuple  # each micro-batch's loss (one per micro-batch when there are several)
+    microbatch_losses: tuple  # each micro-batch's loss, where its forward ends (one with a single batch)
 
 
 class StepOutput(NamedTuple):
@@ -100,7 +100,7 @@ class StepOutput(NamedTuple):
     grad_norm: torch.Tensor  # 2-norm of the whole mean gradient (before any clipping)
     skipped: torch.Tensor  # 0-d bool: the update was skipped (a gradient not finite under loss scaling)
     aux: Any  # loss_fn's aux, or None
-    microbatch_losses: tuple = ()  # each micro-batch's loss when there are several (ends of forwards)
+    microbatch_losses: tuple = ()  # each micro-batch's loss: where each forward ends
 
 
 class EvalOutput(NamedTuple):
@@ -217,7 +217,7 @@ def gradients(fn: StepFunction, layout: Layout, shards, local, batch, loss_scale
                 nonfinite = nonfinite + (~torch.isfinite(g)).sum().float()
             finite = global_sum(nonfinite, mesh).reshape(()) == 0
     aux = (auxes[0] if fn.microbatches == 1 else auxes) if fn.has_aux else None
-    return Gradients(mean, local, loss, mean_loss, aux, finite, tuple(losses) if len(losses) > 1 else ())
+    return Gradients(mean, local, loss, mean_loss, aux, finite, tuple(losses))
 
 
 def _sharded_gradients(fn: StepFunction, layout: Layout, shards, trainable, frozen_leaves, local, micro, scale):
