@@ -21,24 +21,17 @@ import statistics
 import time
 
 import torch
-import torch.nn.functional as F
 from torch.distributed._tools.mem_tracker import MemTracker
 
 import functional_shard as fs
-from functional_shard.data import CharTokenizer, batches, load_text
-from functional_shard.models import GPT, GPTConfig
+from _gpt import corpus_gpt, cpu_total
+from functional_shard.data import batches
+from functional_shard.models import GPT
 
 ARMS = {
     "no remat": fs.Schedule(),
     "remat all": fs.Schedule(remat=True),
 }
-
-
-def _cpu_total(tracker: MemTracker, kind: str) -> int:
-    for device, categories in tracker.get_tracker_snapshot(kind).items():
-        if torch.device(device).type == "cpu":
-            return int(next((v for k, v in categories.items() if str(getattr(k, "value", k)) == "Total"), 0))
-    return 0
 
 
 def _state_bytes(state) -> int:
@@ -47,16 +40,7 @@ def _state_bytes(state) -> int:
 
 def run(mesh_axes: dict, steps: int, warmup: int, batch_size: int, n_layer: int, d_model: int) -> dict:
     mesh = fs.init_mesh(mesh_axes)
-    text = load_text()
-    tokenizer = CharTokenizer.from_text(text)
-    tokens = tokenizer.encode(text)
-    torch.manual_seed(0)
-    config = GPTConfig(vocab_size=tokenizer.vocab_size, block_size=64, n_layer=n_layer, n_head=4, d_model=d_model)
-    apply_fn, params = fs.functionalize(GPT(config))
-
-    def loss_fn(p, batch):
-        x, y = batch
-        return F.cross_entropy(apply_fn(p, x).flatten(0, 1), y.flatten())
+    tokens, config, params, loss_fn = corpus_gpt(n_layer, d_model)
 
     runs = {}
     for name, schedule in ARMS.items():
@@ -84,7 +68,7 @@ def run(mesh_axes: dict, steps: int, warmup: int, batch_size: int, n_layer: int,
         run_["state"] = state
         q = statistics.quantiles(run_["times"], n=4)
         report[name] = {
-            "peak_bytes": _cpu_total(tracker, "peak"),
+            "peak_bytes": cpu_total(tracker, "peak"),
             "state_bytes": _state_bytes(state),
             "median_ms": 1e3 * statistics.median(run_["times"]),
             "iqr_ms": 1e3 * (q[2] - q[0]),
@@ -93,7 +77,7 @@ def run(mesh_axes: dict, steps: int, warmup: int, batch_size: int, n_layer: int,
     reference = fs.tree_leaves(runs["no remat"]["state"])
     for name, run_ in runs.items():
         report[name]["same_bits"] = all(torch.equal(a, b) for a, b in zip(fs.tree_leaves(run_["state"]), reference))
-    report["config"] = {"n_layer": n_layer, "d_model": d_model, "vocab_size": tokenizer.vocab_size, "params": GPT(config).num_params()}
+    report["config"] = {"n_layer": n_layer, "d_model": d_model, "vocab_size": config.vocab_size, "params": GPT(config).num_params()}
     return report
 
 

@@ -15,12 +15,12 @@ from __future__ import annotations
 import argparse
 
 import torch
-import torch.nn.functional as F
 from torch.distributed._tools.mem_tracker import MemTracker
 
 import functional_shard as fs
-from functional_shard.data import CharTokenizer, batches, load_text
-from functional_shard.models import GPT, GPTConfig
+from _gpt import corpus_gpt, cpu_total
+from functional_shard.data import batches
+from functional_shard.models import GPT
 
 BF16 = fs.Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 ARMS = {
@@ -34,25 +34,9 @@ ARMS = {
 }
 
 
-def _cpu_total(tracker: MemTracker, kind: str) -> int:
-    for device, categories in tracker.get_tracker_snapshot(kind).items():
-        if torch.device(device).type == "cpu":
-            return int(next((v for k, v in categories.items() if str(getattr(k, "value", k)) == "Total"), 0))
-    return 0
-
-
 def run(world_size: int, batch_size: int, n_layer: int, d_model: int) -> dict:
     mesh = fs.init_mesh({"fsdp": world_size})
-    text = load_text()
-    tokenizer = CharTokenizer.from_text(text)
-    tokens = tokenizer.encode(text)
-    torch.manual_seed(0)
-    config = GPTConfig(vocab_size=tokenizer.vocab_size, block_size=64, n_layer=n_layer, n_head=4, d_model=d_model)
-    apply_fn, params = fs.functionalize(GPT(config))
-
-    def loss_fn(p, batch):
-        x, y = batch
-        return F.cross_entropy(apply_fn(p, x).flatten(0, 1).float(), y.flatten())
+    tokens, config, params, loss_fn = corpus_gpt(n_layer, d_model)
 
     report = {}
     generator = torch.Generator().manual_seed(1 + mesh.rank)
@@ -67,7 +51,7 @@ def run(world_size: int, batch_size: int, n_layer: int, d_model: int) -> dict:
         with tracker:
             state, metrics = step(state, batch)
         report[name] = {
-            "peak": _cpu_total(tracker, "peak"),
+            "peak": cpu_total(tracker, "peak"),
             "state": sum(t.numel() * t.element_size() for t in fs.tree_leaves(state)),
             "gathered": metrics["all_gather_bytes"],
             "scattered": metrics["reduce_scatter_bytes"],
@@ -90,7 +74,7 @@ if __name__ == "__main__":
         f"GPT n_layer={args.n_layer} d_model={args.d_model} ({params / 1e6:.2f}M parameters), world size "
         f"{args.world_size}, batch {args.batch_size} x 64 tokens per rank; rank 0"
     )
-    print(f"| arm | peak MiB | state MiB | peak - state MiB | all-gather MiB/step | reduce-scatter MiB/step |")
+    print("| arm | peak MiB | state MiB | peak - state MiB | all-gather MiB/step | reduce-scatter MiB/step |")
     print("|---|---:|---:|---:|---:|---:|")
     for name, r in report.items():
         print(
