@@ -103,6 +103,14 @@ class Layout:
     local: tuple[int, ...]
     num_shards: int
 
+    def __hash__(self) -> int:
+        # A step looks its traced graph up by layout on every call: hash the (possibly
+        # thousands of) paths and shapes once per layout, not once per step.
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = self.__dict__["_hash"] = hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
+        return cached
+
     @property
     def units(self) -> tuple[str, ...]:
         return tuple(dict.fromkeys(b.unit for b in self.buffers))

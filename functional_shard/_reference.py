@@ -22,11 +22,11 @@ from typing import Any, Callable, Iterator, NamedTuple
 import torch
 
 from . import _tracing
-from ._collectives import ReduceScatterFlat, gather_bytes
+from ._collectives import ReduceScatterFlat
 from ._layout import Layout
 from ._mesh import BaseMesh
 from ._pytree import tree_flatten, tree_map, tree_unflatten
-from ._shard import gather_buffer
+from ._shard import gather_buffer, gather_full
 from .optim import global_norm, global_sum
 
 __all__ = [
@@ -268,12 +268,7 @@ def _full_gradients(fn: StepFunction, layout: Layout, shards, trainable, frozen_
     reduce-scatters the sum once per step (`_reduce_full`)."""
     mesh = fn.mesh
     with _tracing.phase("forward"):
-        fulls = []
-        for k in trainable:
-            spec = layout.buffers[k]
-            s = shards[k].contiguous()
-            gathered = s if spec.gather_dtype == s.dtype else s.to(spec.gather_dtype)
-            fulls.append(gather_bytes(gathered, mesh, spec))
+        fulls = [gather_full(layout.buffers[k], shards[k], mesh, differentiable=False) for k in trainable]
 
     def local_loss(fulls, local):
         leaves = dict(frozen_leaves)

@@ -21,7 +21,7 @@ from ._layout import BufferSpec, Layout, LayoutError, UnitPolicy, make_layout
 from ._mesh import BaseMesh
 from ._pytree import pytree_dataclass, static_field, tree_flatten
 
-__all__ = ["Sharded", "shard", "gather", "reduce_scatter", "all_reduce", "gather_buffer"]
+__all__ = ["Sharded", "shard", "gather", "reduce_scatter", "all_reduce", "gather_buffer", "gather_full"]
 
 
 @pytree_dataclass
@@ -123,12 +123,16 @@ def gather_buffer(layout: Layout, spec: BufferSpec, shard: torch.Tensor, mesh: B
     The buffer is gathered in `spec.gather_dtype` (mixed precision), its gradient reduced in
     `spec.reduce_dtype`.
     """
+    return layout.unflatten_buffer(spec, gather_full(spec, shard, mesh, differentiable=differentiable))
+
+
+def gather_full(spec: BufferSpec, shard: torch.Tensor, mesh: BaseMesh, *, differentiable: bool) -> torch.Tensor:
+    """All-gather one flat buffer in `spec.gather_dtype`: `[spec.padded_numel]` on every rank
+    (see `gather_buffer`, which returns its leaves)."""
     shard = shard.contiguous()
     if differentiable:
-        full = GatherFlat.apply(shard, mesh, spec, spec.gather_dtype, spec.reduce_dtype)
-    else:
-        full = gather_bytes(shard if spec.gather_dtype == shard.dtype else shard.to(spec.gather_dtype), mesh, spec)
-    return layout.unflatten_buffer(spec, full)
+        return GatherFlat.apply(shard, mesh, spec, spec.gather_dtype, spec.reduce_dtype)
+    return gather_bytes(shard if spec.gather_dtype == shard.dtype else shard.to(spec.gather_dtype), mesh, spec)
 
 
 def reduce_scatter(tree: Any, mesh: BaseMesh, *, units: UnitPolicy | None = None) -> Sharded:

@@ -289,14 +289,13 @@ class ShardedStep:
     def _evaluate(self, layout: Layout, shards, rest, batch):
         return _reference.evaluate(self._fn, layout, shards, rest[0], batch)
 
+    @contextlib.contextmanager
     def _random_stream(self, state: StepState):
         """Torch's generators seeded for this step and rank, restored afterwards."""
         devices = [self.mesh.device] if getattr(self.mesh, "device", torch.device("cpu")).type == "cuda" else []
-        seed = _stream_seed(int(state.rng), state.step, self.mesh.rank)
-        stack = contextlib.ExitStack()
-        stack.enter_context(torch.random.fork_rng(devices=devices))
-        torch.manual_seed(seed)
-        return stack
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(_stream_seed(int(state.rng), state.step, self.mesh.rank))
+            yield
 
     def _metrics(self, mean_loss, loss, aux, all_gather_bytes: int, reduce_scatter_bytes: int) -> dict[str, Any]:
         metrics: dict[str, Any] = {

@@ -52,6 +52,18 @@ def run_steps(mesh, model_name, schedule):
     return state, metrics, step
 
 
+def bit_problems(schedule, state, metrics, expected: list, reference_metrics: dict) -> list[str]:
+    """How a state and loss differ from the eager reference's leaves and loss (empty: same bits)."""
+    problems = []
+    got = fs.tree_leaves(state)
+    different = [i for i, (a, b) in enumerate(zip(got, expected)) if not torch.equal(a, b)]
+    if different or len(got) != len(expected):
+        problems.append(f"{schedule}: leaves {different} differ")
+    if not torch.equal(metrics["loss"], reference_metrics["loss"]):
+        problems.append(f"{schedule}: loss {metrics['loss']} != {reference_metrics['loss']}")
+    return problems
+
+
 def traced_equals_eager(mesh, model_name: str) -> list[str]:
     """Problems found (empty when every schedule matches the eager reference bit for bit)."""
     reference, reference_metrics, _ = run_steps(mesh, model_name, fs.Schedule(trace=False))
@@ -59,12 +71,7 @@ def traced_equals_eager(mesh, model_name: str) -> list[str]:
     problems = []
     for schedule in SCHEDULES:
         state, metrics, step = run_steps(mesh, model_name, schedule)
-        got = fs.tree_leaves(state)
-        different = [i for i, (a, b) in enumerate(zip(got, expected)) if not torch.equal(a, b)]
-        if different or len(got) != len(expected):
-            problems.append(f"{schedule}: leaves {different} differ")
-        if not torch.equal(metrics["loss"], reference_metrics["loss"]):
-            problems.append(f"{schedule}: loss {metrics['loss']} != {reference_metrics['loss']}")
+        problems += bit_problems(schedule, state, metrics, expected, reference_metrics)
         layout = state.params.layout
         trainable_bytes = sum(b.nbytes for b in layout.buffers if b.trainable)
         all_bytes = sum(b.nbytes for b in layout.buffers)

@@ -32,6 +32,7 @@ from functional_shard.schedule import (
     reshard_after_forward,
 )
 
+from test_jit import bit_problems
 from test_step import build, cross_entropy, global_batch, local_batch
 
 STEPS = 3
@@ -94,12 +95,7 @@ def remat_equals_eager(mesh, name: str) -> list[str]:
     problems = []
     for schedule in SCHEDULES:
         state, metrics, step = run_steps(mesh, name, schedule)
-        got = fs.tree_leaves(state)
-        different = [i for i, (a, b) in enumerate(zip(got, expected)) if not torch.equal(a, b)]
-        if different or len(got) != len(expected):
-            problems.append(f"{schedule}: leaves {different} differ")
-        if not torch.equal(metrics["loss"], reference_metrics["loss"]):
-            problems.append(f"{schedule}: loss {metrics['loss']} != {reference_metrics['loss']}")
+        problems += bit_problems(schedule, state, metrics, expected, reference_metrics)
         events = step.schedule_events
         # The unit that computes the loss ("rest": final norm, head) is read first by the backward.
         if fs.schedule.rematerialized(events) != blocks:

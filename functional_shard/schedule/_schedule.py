@@ -206,28 +206,35 @@ def apply_schedule(
 
 
 def _check_in_flight(gm: fx.GraphModule, passes: Sequence[Pass], context: PassContext) -> None:
+    fix = "(gloo deadlocks, rarely, with more). End the pass list with fs.schedule.limit_in_flight()"
     per_group = context.max_in_flight_per_group
     if per_group is not None:
         position = _passes.positions(gm)
         for group, members in _passes.by_group(_passes.collectives(gm)).items():
             spans = [(position[c.issue], c.issue.name, position[c.wait]) for c in members]
-            for point, _, _ in spans:
-                in_flight = [name for start, name, end in spans if start <= point < end]
-                if len(in_flight) > per_group:
-                    raise ValueError(
-                        f"the schedule's passes {list(passes)} leave {len(in_flight)} collectives in flight at once on "
-                        f"process group {group} ({', '.join(in_flight)}), but this mesh allows at most {per_group} per "
-                        f"group (gloo deadlocks, rarely, with more). End the pass list with fs.schedule.limit_in_flight()"
-                    )
+            too_many = _more_in_flight_than(per_group, spans)
+            if too_many:
+                raise ValueError(
+                    f"the schedule's passes {list(passes)} leave {len(too_many)} collectives in flight at once on "
+                    f"process group {group} ({', '.join(too_many)}), but this mesh allows at most {per_group} per "
+                    f"group {fix}"
+                )
     bound = context.max_collectives_in_flight
     if bound is None:
         return
-    intervals = in_flight_intervals(analyze(gm))
-    for point, _, _ in intervals:
-        in_flight = [node for start, node, end in intervals if start <= point < end]
+    too_many = _more_in_flight_than(bound, in_flight_intervals(analyze(gm)))
+    if too_many:
+        raise ValueError(
+            f"the schedule's passes {list(passes)} leave {len(too_many)} collectives in flight at once "
+            f"({', '.join(too_many)}), but this mesh allows at most {bound} (its max_collectives_in_flight; {fix}"
+        )
+
+
+def _more_in_flight_than(bound: int, spans: Sequence[tuple]) -> list[str] | None:
+    """The collectives in flight at the first issue where more than `bound` are; spans are
+    `(issue position, name, wait position)`."""
+    for point, _, _ in spans:
+        in_flight = [name for start, name, end in spans if start <= point < end]
         if len(in_flight) > bound:
-            raise ValueError(
-                f"the schedule's passes {list(passes)} leave {len(in_flight)} collectives in flight at once "
-                f"({', '.join(in_flight)}), but this mesh allows at most {bound} (its max_collectives_in_flight; "
-                f"gloo deadlocks, rarely, with more). End the pass list with fs.schedule.limit_in_flight()"
-            )
+            return in_flight
+    return None
