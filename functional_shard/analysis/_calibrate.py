@@ -5,12 +5,21 @@ Every rank runs the same measurements, at the same time (it is a collective):
 - dispatch: a one-element `aten.add` and a `aten.view`, called as a traced graph calls them;
 - matrix products: square `mm`s from 32 to 1024 (FLOP/s by size, whole calls);
 - memory traffic: `aten.add` over 10^3 to 4·10^6 elements (bytes/s by size, whole calls);
+- kernel classes (`Machine.op_seconds`): one representative operation per class — `mul` of
+  two tensors (elementwise), `exp` and `gelu_backward` (transcendental), a row `sum`
+  (reduction), `native_layer_norm` (normalization), `clone` (copy), `where`
+  (select) — over 10^2 to 4·10^6 elements, each input drawn from a pool larger than the
+  caches (a step's tensors are rarely cache-hot), each timing a loop of at least
+  `min_loop_s` so that ranks sharing cores are measured sharing them;
+- the step's own overhead: a traced `sharded_step` of one small parameter, its call timed
+  against its graph alone (the ranks' agreement, guards, packing);
 - collectives: the mesh's own all-gather, reduce-scatter and all-reduce of full buffers from
   16 KiB to 16 MiB, each timed as its slowest rank; latency and bus bandwidth fitted by least
   squares (`Machine.collective_seconds`);
-- overlap: a 16 MiB all-gather issued asynchronously (`torch.distributed`, default group)
-  while the rank multiplies matrices for about as long: the time lost against perfect
-  overlap, over the shorter of the two, is `overlap_penalty`.
+- overlap: a 16 MiB all-gather issued as a traced graph issues it (the functional
+  collective, waited later) while the rank multiplies matrices for about as long: the time
+  lost against perfect overlap, over the shorter of the two, is `overlap_penalty`; the time
+  the issuing call takes is `issue_overhead_s`.
 
 Compute constants are averaged over ranks, communication constants are the slowest rank's.
 Timings are medians of repeats; on a shared machine they carry its noise.
@@ -39,6 +48,61 @@ def _median_seconds(fn, repeat: int) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def _loop_seconds(fn, min_loop_s: float, repeat: int = 3) -> float:
+    """Seconds per call of `fn`, from the median of `repeat` loops of at least `min_loop_s`
+    each: long enough that a rank sharing its cores with others is measured sharing them."""
+    fn()  # warm-up
+    start = time.perf_counter()
+    fn()
+    once = max(time.perf_counter() - start, 1e-7)
+    calls = max(1, int(min_loop_s / once))
+    return _median_seconds(lambda: [fn() for _ in range(calls)], repeat) / calls
+
+
+def _pool(numel: int, device, pool_bytes: int) -> list[torch.Tensor]:
+    """Distinct random tensors of `numel` elements, together at least `pool_bytes`: cycling
+    through them keeps the inputs out of the caches, as most of a step's are."""
+    return [torch.randn(numel, device=device) for _ in range(max(2, pool_bytes // (4 * numel)))]
+
+
+def _class_operations():
+    """kernel class -> functions (x, y) -> result of representative operations."""
+    def rows(x):
+        return x.view(-1, min(x.numel(), 256)) if x.numel() % min(x.numel(), 256) == 0 else x.view(1, -1)
+
+    return {
+        "elementwise": (lambda x, y: _aten.mul.Tensor(x, y),),
+        "transcendental": (lambda x, y: _aten.exp.default(x), lambda x, y: _aten.gelu_backward.default(x, y)),
+        "reduction": (lambda x, y: _aten.sum.dim_IntList(rows(x), [-1]),),
+        "normalization": (lambda x, y: _aten.native_layer_norm.default(rows(x), [rows(x).shape[-1]], None, None, 1e-5),),
+        "copy": (lambda x, y: _aten.clone.default(x),),
+        "select": (lambda x, y: _aten.where.self(_aten.gt.Scalar(y, 0.0), x, y),),
+    }
+
+
+def _op_seconds(mesh, device, sizes, min_loop_s: float, pool_bytes: int) -> dict:
+    """kernel class -> ((elements, seconds per call), ...), this rank's."""
+    curves: dict = {kind: [] for kind in _class_operations()}
+    for numel in sizes:
+        pool = _pool(numel, device, pool_bytes)
+        masks = {id(y): _aten.gt.Scalar(y, 0.0) for y in pool}
+        for kind, operations in _class_operations().items():
+            seconds = []
+            for op in operations:
+                if kind == "select":  # the mask is an input of the step's `where`, not its work
+                    op = lambda x, y: _aten.where.self(masks[id(y)], x, y)  # noqa: E731
+                index = [0]
+
+                def call(op=op):
+                    index[0] = (index[0] + 1) % len(pool)
+                    op(pool[index[0]], pool[index[0] - 1])
+
+                mesh.all_reduce_flat(torch.zeros(1, device=device))  # every rank measures at once
+                seconds.append(_loop_seconds(call, min_loop_s))
+            curves[kind].append((numel, statistics.mean(seconds)))
+    return curves
 
 
 def _per_call(fn, calls: int) -> float:
@@ -77,16 +141,20 @@ def calibrate(mesh, *, path: str | None = None, name: str | None = None, quick: 
     overhead = _per_call(lambda: _aten.add.Tensor(one, one), 2000 if not quick else 300)
     view_overhead = _per_call(lambda: _aten.view.default(one, [1]), 2000 if not quick else 300)
 
+    min_loop_s = 0.005 if quick else 0.03
     matmul = []
     for n in (32, 128, 512) if quick else (32, 64, 128, 256, 512, 1024):
         a = torch.randn(n, n, device=device)
-        seconds = _median_seconds(lambda: _aten.mm.default(a, a), 3 if quick else 5)
+        mesh.all_reduce_flat(torch.zeros(1, device=device))
+        seconds = _loop_seconds(lambda: _aten.mm.default(a, a), min_loop_s)
         matmul.append((2.0 * n**3, 2.0 * n**3 / seconds))
     bandwidth = []
     for numel in (1_000, 100_000, 1_000_000) if quick else (1_000, 10_000, 100_000, 1_000_000, 4_000_000):
         x = torch.randn(numel, device=device)
         seconds = _median_seconds(lambda: _aten.add.Tensor(x, x), 3 if quick else 7)
         bandwidth.append((12.0 * numel, 12.0 * numel / seconds))
+    op_sizes = (1_000, 100_000, 1_000_000) if quick else (100, 1_000, 10_000, 100_000, 1_000_000, 4_000_000)
+    op_seconds = _op_seconds(mesh, device, op_sizes, min_loop_s, (8 if quick else 64) << 20)
 
     latency, bus = {}, {}
     p = mesh.num_shards
@@ -115,6 +183,8 @@ def calibrate(mesh, *, path: str | None = None, name: str | None = None, quick: 
         collective_bandwidth=bus,
         issue_overhead_s=_slowest(mesh, issue),
         overlap_penalty=min(1.0, max(0.0, _slowest(mesh, penalty))),
+        op_seconds={kind: _average_seconds(mesh, points) for kind, points in op_seconds.items()},
+        step_overhead_s=_slowest(mesh, _step_overhead(mesh, 5 if quick else 20)),
     )
     if path is not None and mesh.rank == 0:
         machine.save(path)
@@ -150,16 +220,51 @@ def _average(mesh, points: list[tuple[float, float]]) -> tuple:
     return tuple((size, statistics.mean(row[i] for row in rows)) for i, (size, _) in enumerate(points))
 
 
+def _average_seconds(mesh, points: list[tuple[float, float]]) -> tuple:
+    rows = _everyone(mesh, [seconds for _, seconds in points])
+    return tuple((size, statistics.mean(row[i] for row in rows)) for i, (size, _) in enumerate(points))
+
+
+def _step_overhead(mesh, repeat: int) -> float:
+    """What a traced step's call costs beyond its graph, on this rank: a step of one small
+    parameter timed whole and as its graph alone."""
+    from .._step import sharded_step
+    from ..optim import sgd
+
+    device = getattr(mesh, "device", torch.device("cpu"))
+    step = sharded_step(lambda p, x: (p["w"] * x).sum(), mesh, optimizer=sgd(lr=0.1))
+    state = step.init({"w": torch.ones(64, device=device)})
+    x = torch.ones(64, device=device)
+    state, _ = step(state, x)  # traces
+    graph = step.lower(state, x).graph_module
+    whole, alone = [], []
+    with torch.no_grad():
+        for _ in range(repeat):
+            mesh.all_reduce_flat(torch.zeros(1, device=device))
+            start = time.perf_counter()
+            state, _ = step(state, x)
+            whole.append(time.perf_counter() - start)
+            inputs = step.graph_inputs(state, x)
+            mesh.all_reduce_flat(torch.zeros(1, device=device))
+            start = time.perf_counter()
+            graph(*inputs)
+            alone.append(time.perf_counter() - start)
+    return max(0.0, statistics.median(whole) - statistics.median(alone))
+
+
 def _overlap(mesh, device, full_bytes: int) -> tuple[float, float]:
     """(seconds to issue an asynchronous all-gather, overlap penalty) on this rank."""
     if not dist.is_initialized() or mesh.world_size == 1:
         return 0.0, 0.0
     world = dist.get_world_size()
+    group = dist.group.WORLD.group_name
     shard = torch.ones(full_bytes // 4 // world, device=device)
-    out = torch.empty(shard.numel() * world, device=device)
+
+    def issue():  # as a traced graph issues it: the functional collective, waited later
+        return torch.ops._c10d_functional.all_gather_into_tensor(shard, world, group)
 
     def communicate():
-        dist.all_gather_into_tensor(out, shard)
+        torch.ops._c10d_functional.wait_tensor(issue())
 
     a = torch.randn(256, 256, device=device)
     comm = _collective_seconds(mesh, communicate, 3)
@@ -175,10 +280,10 @@ def _overlap(mesh, device, full_bytes: int) -> tuple[float, float]:
     for _ in range(3):
         mesh.all_reduce_flat(torch.zeros(1, device=device))
         start = time.perf_counter()
-        work = dist.all_gather_into_tensor(out, shard, async_op=True)
+        work = issue()
         issued = time.perf_counter()
         compute()
-        work.wait()
+        torch.ops._c10d_functional.wait_tensor(work)
         boths.append(time.perf_counter() - start)
         issues.append(issued - start)
     both = statistics.median(boths)

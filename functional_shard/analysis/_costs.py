@@ -18,7 +18,7 @@ import torch
 from torch import fx
 from torch.utils.flop_counter import flop_registry
 
-__all__ = ["NodeCost", "node_cost", "tensors_of", "is_view", "COLLECTIVE_OPS"]
+__all__ = ["NodeCost", "node_cost", "op_class", "tensors_of", "is_view", "COLLECTIVE_OPS", "OP_CLASSES"]
 
 _C10D = torch.ops._c10d_functional
 # The functional collectives a traced step holds (their own names, not fs.schedule's private tables).
@@ -39,6 +39,53 @@ class NodeCost(NamedTuple):
     flops: int  # floating-point operations (multiply-adds count 2), from torch's flop registry
     bytes: int  # bytes read and written: its tensor inputs plus its tensor outputs (0 for views)
     matmul: bool  # whether the FLOPs are a matrix product's (run at matmul throughput)
+    numel: int = 0  # elements of its largest tensor input or output (what a CPU kernel loops over)
+    kind: str = "elementwise"  # its class of kernel (`op_class`)
+
+
+# Classes of kernels whose time per element differs by several times on a CPU: a `Machine`
+# may carry a measured time curve per class (`fs.analysis.calibrate` measures one operation
+# of each). Operations not listed are "elementwise" (one arithmetic operation per element).
+_CLASSES = {
+    "transcendental": (
+        "exp", "exp2", "expm1", "log", "log1p", "log2", "sqrt", "rsqrt", "pow", "tanh", "tanh_backward",
+        "sigmoid", "sigmoid_backward", "silu", "silu_backward", "gelu", "gelu_backward", "erf", "erfinv",
+        "sin", "cos", "reciprocal", "_softmax", "_softmax_backward_data", "_log_softmax",
+        "_log_softmax_backward_data", "native_dropout", "native_dropout_backward", "softplus", "elu",
+    ),
+    "reduction": (
+        "sum", "mean", "amax", "amin", "max", "min", "var", "std", "var_mean", "norm", "linalg_vector_norm",
+        "prod", "any", "all", "argmax", "argmin", "logsumexp", "nll_loss_forward", "nll_loss2d_forward",
+    ),
+    "normalization": (
+        "native_layer_norm", "native_layer_norm_backward", "_fused_rms_norm", "_fused_rms_norm_backward",
+        "native_batch_norm", "native_batch_norm_backward", "_native_batch_norm_legit",
+        "_native_batch_norm_legit_functional", "native_group_norm", "native_group_norm_backward",
+    ),
+    "copy": (
+        "clone", "_to_copy", "copy", "copy_", "cat", "stack", "slice_backward", "select_backward",
+        "embedding", "embedding_dense_backward", "index", "index_select", "index_put", "index_put_",
+        "_unsafe_index", "_unsafe_index_put", "gather", "scatter", "scatter_add", "zeros", "zeros_like",
+        "ones", "ones_like", "full", "full_like", "empty", "empty_like", "new_zeros", "new_empty",
+        "new_full", "fill", "fill_", "constant_pad_nd", "nll_loss_backward", "repeat", "expand_copy",
+        "permute_copy", "split_with_sizes_copy", "roll", "tril", "triu", "flip",
+    ),
+    "select": ("where", "masked_fill", "masked_fill_", "masked_scatter"),
+}
+OP_CLASSES = ("matmul", "view", "elementwise", *_CLASSES)
+_CLASS_OF = {name: kind for kind, names in _CLASSES.items() for name in names}
+
+
+def op_class(node: fx.Node) -> str:
+    """The class of kernel `node` runs: "view", "matmul" (FLOPs counted by torch's registry),
+    or one of `OP_CLASSES`' per-element classes, by the operation's name."""
+    if is_view(node):
+        return "view"
+    packet = getattr(node.target, "overloadpacket", None)
+    if packet is not None and packet in flop_registry:
+        return "matmul"
+    name = getattr(packet, "__name__", getattr(node.target, "__name__", ""))
+    return _CLASS_OF.get(name, "elementwise")
 
 
 def tensors_of(value) -> list[torch.Tensor]:
@@ -66,8 +113,10 @@ def _nbytes(t: torch.Tensor) -> int:
 
 def node_cost(node: fx.Node) -> NodeCost:
     """FLOPs and bytes of `node` (0 and 0 for placeholders, outputs, views and collectives)."""
-    if node.op != "call_function" or is_view(node) or node.target in COLLECTIVE_OPS:
+    if node.op != "call_function" or node.target in COLLECTIVE_OPS:
         return NodeCost(0, 0, False)
+    if is_view(node):
+        return NodeCost(0, 0, False, 0, "view")
     outputs = tensors_of(node.meta.get("val"))
     inputs = [t for a in node.all_input_nodes for t in tensors_of(a.meta.get("val"))]
     traffic = sum(_nbytes(t) for t in inputs) + sum(_nbytes(t) for t in outputs)
@@ -76,4 +125,5 @@ def node_cost(node: fx.Node) -> NodeCost:
     if packet is not None and packet in flop_registry:
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
         flops = int(flop_registry[packet](*args, **kwargs, out_val=node.meta.get("val")))
-    return NodeCost(flops, traffic, flops > 0)
+    numel = max((t.numel() for t in (*inputs, *outputs)), default=0)
+    return NodeCost(flops, traffic, flops > 0, numel, "matmul" if flops > 0 else op_class(node))

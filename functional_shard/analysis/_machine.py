@@ -1,10 +1,12 @@
 """Machine models: the constants the simulator turns FLOPs, bytes and messages into seconds.
 
 A `Machine` is measured on the machine at hand (`fs.analysis.calibrate`) or written from a
-data sheet (`h100_sxm()`). Compute: a node costs a fixed dispatch overhead plus the larger of
-its FLOPs at matrix-product throughput and its bytes at memory bandwidth (a roofline), with
-throughputs that may depend on the size of the operation (small products run far below
-peak on a CPU). Communication: an alpha-beta model per collective kind, with bus bandwidth
+data sheet (`h100_sxm()`). Compute: a matrix product costs its FLOPs at the throughput
+products of its size reach; any other node costs, when the machine has a measured time curve
+for its class of kernel (`op_seconds`: elementwise, transcendental, reduction, normalization,
+copy, select — a CPU spends several times longer per element on an `exp` than on an `add`),
+the time that curve gives for its number of elements; else the larger of a fixed dispatch
+overhead and its bytes at memory bandwidth (a roofline). Communication: an alpha-beta model per collective kind, with bus bandwidth
 (the ring algorithms' convention): an all-gather or reduce-scatter of a full buffer of `n`
 bytes over `p` ranks takes `latency + (p - 1) / p * n / bandwidth`; an all-reduce twice that.
 """
@@ -17,6 +19,20 @@ import json
 import math
 
 __all__ = ["Machine", "h100_sxm", "load_machine"]
+
+
+def _interpolate_seconds(points: tuple, x: float) -> float:
+    """Seconds at size `x` from measured (size, seconds) points: log-log interpolation between
+    them, the smallest size's time below them (the dispatch floor), proportional beyond them."""
+    if x <= points[0][0]:
+        return points[0][1]
+    if x >= points[-1][0]:
+        return points[-1][1] * x / points[-1][0]
+    sizes = [p[0] for p in points]
+    i = bisect.bisect_right(sizes, x)
+    (x0, y0), (x1, y1) = points[i - 1], points[i]
+    w = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
+    return math.exp(math.log(y0) + w * (math.log(y1) - math.log(y0)))
 
 
 def _interpolate(points: tuple, x: float) -> float:
@@ -51,6 +67,11 @@ class Machine:
         overlap_penalty: the fraction of the time a collective and computation overlap that
             is lost anyway (0: perfect overlap, as with separate copy engines; 1: none, as
             when the communication thread takes the cores the computation needs).
+        op_seconds: kernel class -> ((elements, seconds of one whole call), ...), measured
+            (`calibrate`); a class not in it is costed by the roofline. Classes:
+            `fs.analysis` `OP_CLASSES` less "matmul" and "view".
+        step_overhead_s: what a call of a traced step costs besides its graph (the ranks'
+            agreement on what runs, guards, packing inputs and outputs).
     """
 
     name: str
@@ -62,8 +83,17 @@ class Machine:
     collective_bandwidth: dict
     issue_overhead_s: float = 0.0
     overlap_penalty: float = 0.0
+    op_seconds: dict = dataclasses.field(default_factory=dict)
+    step_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
+        curves = {}
+        for kind, points in dict(self.op_seconds).items():
+            points = tuple(sorted((float(a), float(b)) for a, b in points))
+            if not points or any(a <= 0 or b <= 0 for a, b in points):
+                raise ValueError(f"Machine.op_seconds[{kind!r}] must hold (elements, positive seconds) pairs; got {points!r}")
+            curves[kind] = points
+        object.__setattr__(self, "op_seconds", curves)
         for field in ("matmul_flops", "memory_bandwidth"):
             points = tuple(sorted((float(a), float(b)) for a, b in getattr(self, field)))
             if not points or any(b <= 0 for _, b in points):
@@ -78,12 +108,15 @@ class Machine:
     def __hash__(self) -> int:
         return hash((self.name, self.matmul_flops, self.memory_bandwidth))
 
-    def compute_seconds(self, flops: int, nbytes: int, *, view: bool = False) -> float:
-        """The time of one node: max(overhead, FLOPs / throughput, bytes / bandwidth). The
-        throughputs are what whole calls reach at that size (dispatch included), so the
-        overhead is a floor, not an addend."""
+    def compute_seconds(self, flops: int, nbytes: int, *, view: bool = False, kind: str = "", numel: int = 0) -> float:
+        """The time of one node: a view's overhead; a non-product of a class in `op_seconds`,
+        that curve at `numel` elements; else max(overhead, FLOPs / throughput, bytes /
+        bandwidth). The throughputs are what whole calls reach at that size (dispatch
+        included), so the overhead is a floor, not an addend."""
         if view:
             return self.view_overhead_s
+        if not flops and kind in self.op_seconds:
+            return _interpolate_seconds(self.op_seconds[kind], max(numel, 1))
         seconds = nbytes / _interpolate(self.memory_bandwidth, max(nbytes, 1))
         if flops:
             seconds = max(seconds, flops / _interpolate(self.matmul_flops, flops))
@@ -110,7 +143,10 @@ def load_machine(path: str) -> Machine:
     """A `Machine` saved with `Machine.save` (e.g. by `fs.analysis.calibrate(mesh, path=...)`)."""
     with open(path) as f:
         data = json.load(f)
-    return Machine(**{k: tuple(map(tuple, v)) if k in ("matmul_flops", "memory_bandwidth") else v for k, v in data.items()})
+    curves = ("matmul_flops", "memory_bandwidth")
+    data = {k: tuple(map(tuple, v)) if k in curves else v for k, v in data.items()}
+    data["op_seconds"] = {k: tuple(map(tuple, v)) for k, v in data.get("op_seconds", {}).items()}
+    return Machine(**data)
 
 
 def h100_sxm(*, ranks_per_node: int = 8, world_size: int = 8) -> Machine:

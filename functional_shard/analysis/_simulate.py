@@ -2,7 +2,10 @@
 
 The graph is walked in its order, as the step runs it:
 
-- a computing node runs on the compute stream for `machine.compute_seconds(flops, bytes)`;
+- the step's call costs `machine.step_overhead_s` before its graph starts (the ranks'
+  agreement on what runs, guards, packing);
+- a computing node runs on the compute stream for `machine.compute_seconds(...)` of its
+  FLOPs, bytes, kernel class and elements;
 - a collective's issue costs the compute stream `issue_overhead_s`, and queues the collective
   on the communication stream, which runs one collective at a time in issue order (what the
   schedules guarantee: one collective in flight) for `machine.collective_seconds(...)`;
@@ -61,7 +64,7 @@ def simulate(compiled, machine: Machine, *, world_size: int | None = None) -> Si
     collectives = {c.issue: c for c in schedule_lib.collectives(gm)}
     waits = {c.wait: c for c in collectives.values()}
     finish: dict = {}
-    t = 0.0  # compute stream
+    t = machine.step_overhead_s  # compute stream
     comm_free = 0.0  # communication stream
     compute_s = exposed = comm_busy = 0.0
     phases = {"forward": 0.0, "backward": 0.0, "update": 0.0}
@@ -89,7 +92,7 @@ def simulate(compiled, machine: Machine, *, world_size: int | None = None) -> Si
             t += blocked
         elif node.op == "call_function" and node.target not in COLLECTIVE_OPS:
             cost = node_cost(node)
-            seconds = machine.compute_seconds(cost.flops, cost.bytes, view=is_view(node))
+            seconds = machine.compute_seconds(cost.flops, cost.bytes, view=is_view(node), kind=cost.kind, numel=cost.numel)
             overlap = min(seconds, max(0.0, comm_free - t))
             seconds += machine.overlap_penalty * overlap
             if phase in phases:
