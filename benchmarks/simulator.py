@@ -6,8 +6,9 @@
 
 For each world size the machine is calibrated once (`fs.analysis.calibrate`), then every
 (model, schedule) is traced (`step.lower`), simulated, and measured separately: the median
-wall time of `--steps` steps (each the slowest rank's, after a warm-up step), and the peak of
-one more step under `MemTracker` (state and batch tracked as external memory, as in
+wall time of `--steps` steps (each the slowest rank's, after a warm-up step; the schedules of
+a model interleaved, one step each per round, so that they see the same load), and the peak
+of one more step under `MemTracker` (state and batch tracked as external memory, as in
 `compare.py`). Ranks are processes on this machine's cores (gloo), one thread each; the
 machine may be shared, so timings carry its noise: the table reports the spread.
 """
@@ -93,33 +94,39 @@ def run_world(mesh, models: list[str], schedules: list[str], steps: int, quick: 
     rows = []
     for model in models:
         loss_fn, params, batch = build(model, mesh.rank)
+        steps_of, states, simulations, times = {}, {}, {}, {}
         for name in schedules:
             step = fs.sharded_step(loss_fn, mesh, optimizer=fs.optim.adamw(lr=1e-3), schedule=SCHEDULES[name])
             state = step.init(params)
             state, _ = step(state, batch)  # traces; the warm-up
-            simulation = fs.analysis.simulate(step.lower(state, batch), machine)
-            times = []
-            for _ in range(steps):
+            simulations[name] = fs.analysis.simulate(step.lower(state, batch), machine)
+            steps_of[name], states[name], times[name] = step, state, []
+        # Schedules interleaved, one step each per round: the machine's load drifts, and each
+        # schedule then sees the same drift.
+        for _ in range(steps):
+            for name in schedules:
                 mesh.all_reduce_flat(torch.zeros(1))
                 t0 = time.perf_counter()
-                state, _ = step(state, batch)
+                states[name], _ = steps_of[name](states[name], batch)
                 elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-                times.append(float(mesh.all_gather_world(elapsed).max()))
+                times[name].append(float(mesh.all_gather_world(elapsed).max()))
+        for name in schedules:
             tracker = MemTracker()
-            tracker.track_external(*fs.tree_leaves(state), *batch)
+            tracker.track_external(*fs.tree_leaves(states[name]), *batch)
             mesh.all_reduce_flat(torch.zeros(1))
             with tracker:
-                state, _ = step(state, batch)
+                states[name], _ = steps_of[name](states[name], batch)
             measured_peak = max(mesh.all_gather_world(torch.tensor([_cpu_total(tracker)])).tolist())
+            simulation = simulations[name]
             rows.append(
                 dict(
                     model=model,
                     schedule=name,
                     world=mesh.world_size,
                     predicted_s=simulation.step_s,
-                    measured_s=statistics.median(times),
-                    measured_min_s=min(times),
-                    measured_max_s=max(times),
+                    measured_s=statistics.median(times[name]),
+                    measured_min_s=min(times[name]),
+                    measured_max_s=max(times[name]),
                     exposed_s=simulation.exposed_s,
                     predicted_peak=simulation.memory.peak,
                     measured_peak=measured_peak,
@@ -178,7 +185,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--plan", action="store_true")
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=9)
     parser.add_argument("--worlds", default="2,4")
     args = parser.parse_args()
     if args.plan:
@@ -192,6 +199,7 @@ def main() -> None:
     schedules = ["default"] if args.quick else list(SCHEDULES)
     worlds = [2] if args.quick else [int(w) for w in args.worlds.split(",")]
     rows = []
+    load_before = os.getloadavg()[0]
     for world in worlds:
         with fs.testing.LocalWorld(world, call_timeout=1800.0) as local:
             rows += local.run(run_world, models, schedules, 2 if args.quick else args.steps, args.quick)[0]
@@ -200,7 +208,8 @@ def main() -> None:
     errors_m = [abs(r["predicted_peak"] / r["measured_peak"] - 1) for r in rows]
     print(f"\ntime: {sum(e <= 0.15 for e in errors_t)}/{len(rows)} within 15% (median error {statistics.median(errors_t) * 100:.0f}%); "
           f"memory: {sum(e <= 0.10 for e in errors_m)}/{len(rows)} within 10% (max error {max(errors_m) * 100:.1f}%); "
-          f"calibration {rows[0]['calibration_s']:.1f} s per world size")
+          f"calibration {rows[0]['calibration_s']:.1f} s per world size; load average {load_before:.1f} before, "
+          f"{os.getloadavg()[0]:.1f} after ({os.cpu_count()} cores)")
 
 
 if __name__ == "__main__":

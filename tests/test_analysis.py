@@ -202,6 +202,37 @@ def test_machine_json_round_trip(tmp_path):
         fs.analysis.Machine("x", ((1, 1.0),), ((1, 1.0),), 0.0, 0.0, {"all_gather": 0, "reduce_scatter": 0}, {"all_gather": 1, "reduce_scatter": 1})
 
 
+def test_kernel_class_curves_cost_nodes_and_survive_json(tmp_path):
+    """A machine with measured per-class curves costs a node by its class and size: the
+    dispatch floor below the smallest size, log-log between sizes, proportional beyond."""
+    import dataclasses
+
+    from functional_shard.analysis._costs import node_cost
+
+    base = fs.analysis.h100_sxm()
+    curves = {"elementwise": ((100, 1e-5), (10_000, 1e-4)), "transcendental": ((100, 2e-5), (10_000, 8e-4))}
+    machine = dataclasses.replace(base, op_seconds=curves)
+    assert machine.compute_seconds(0, 4, kind="elementwise", numel=1) == 1e-5
+    assert machine.compute_seconds(0, 4000, kind="elementwise", numel=1000) == pytest.approx(10 ** -4.5)
+    assert machine.compute_seconds(0, 4e5, kind="transcendental", numel=100_000) == pytest.approx(8e-3)
+    assert machine.compute_seconds(0, 4e5, kind="reduction", numel=100_000) == base.compute_seconds(0, 4e5)  # no curve: roofline
+    machine.save(str(tmp_path / "m.json"))
+    assert fs.analysis.load_machine(str(tmp_path / "m.json")) == machine
+    with pytest.raises(ValueError, match="op_seconds"):
+        dataclasses.replace(base, op_seconds={"copy": ((10, 0.0),)})
+
+    def f(x, y):
+        return torch.exp(x) + y, (x @ y).sum(), x.view(-1)
+
+    gm = torch.fx.experimental.proxy_tensor.make_fx(f)(torch.randn(8, 8), torch.randn(8, 8))
+    kinds = {str(n.target): node_cost(n) for n in gm.graph.nodes if n.op == "call_function"}
+    assert kinds["aten.exp.default"].kind == "transcendental" and kinds["aten.exp.default"].numel == 64
+    assert kinds["aten.add.Tensor"].kind == "elementwise"
+    assert kinds["aten.mm.default"].kind == "matmul" and kinds["aten.mm.default"].flops == 2 * 8**3
+    assert kinds["aten.sum.default"].kind == "reduction"
+    assert kinds["aten.view.default"].kind == "view"
+
+
 def test_simulator_benchmark_quick_mode_runs_and_reports():
     """`benchmarks/simulator.py --quick`: calibrates, predicts and measures one case, prints
     the table (no threshold on the figures: timings here are noisy)."""

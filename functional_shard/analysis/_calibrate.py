@@ -105,14 +105,6 @@ def _op_seconds(mesh, device, sizes, min_loop_s: float, pool_bytes: int) -> dict
     return curves
 
 
-def _per_call(fn, calls: int) -> float:
-    def loop():
-        for _ in range(calls):
-            fn()
-
-    return _median_seconds(loop, 5) / calls
-
-
 def _fit(points: list[tuple[float, float]]) -> tuple[float, float]:
     """Least-squares `t = a + b x` over (x, t); a and b clamped to be non-negative."""
     n = len(points)
@@ -138,10 +130,11 @@ def calibrate(mesh, *, path: str | None = None, name: str | None = None, quick: 
     """
     device = getattr(mesh, "device", torch.device("cpu"))
     one = torch.ones(1, device=device)
-    overhead = _per_call(lambda: _aten.add.Tensor(one, one), 2000 if not quick else 300)
-    view_overhead = _per_call(lambda: _aten.view.default(one, [1]), 2000 if not quick else 300)
-
     min_loop_s = 0.005 if quick else 0.03
+    mesh.all_reduce_flat(torch.zeros(1, device=device))
+    overhead = _loop_seconds(lambda: _aten.add.Tensor(one, one), min_loop_s, 5)
+    view_overhead = _loop_seconds(lambda: _aten.view.default(one, [1]), min_loop_s, 5)
+
     matmul = []
     for n in (32, 128, 512) if quick else (32, 64, 128, 256, 512, 1024):
         a = torch.randn(n, n, device=device)
