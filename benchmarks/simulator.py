@@ -3,6 +3,7 @@
     python benchmarks/simulator.py              # MLP, GPT, HF Llama x 4 schedules x world sizes 2, 4
     python benchmarks/simulator.py --quick      # MLP, one schedule, world size 2 (what the test runs)
     python benchmarks/simulator.py --plan       # Llama-7B planned on 8, 64, 1024 ranks (no run)
+    python benchmarks/simulator.py --timeline   # one GPT step at world size 2: measured and predicted Gantt charts
 
 For each world size the machine is calibrated once (`fs.analysis.calibrate`), then every
 (model, schedule) is traced (`step.lower`), simulated, and measured separately: the median
@@ -158,6 +159,27 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def timeline(mesh, out_dir: str) -> dict:
+    """Every rank: profile one traced GPT step (default schedule) and simulate it; rank 0 writes
+    the measured Chrome trace and Gantt chart and the predicted Gantt chart to `out_dir`."""
+    torch.set_num_threads(1)
+    machine = fs.analysis.calibrate(mesh)
+    loss_fn, params, batch = build("gpt", mesh.rank)
+    step = fs.sharded_step(loss_fn, mesh, optimizer=fs.optim.adamw(lr=1e-3))
+    state, _ = step(step.init(params), batch)
+    measured = fs.analysis.profile(step, state, batch)
+    predicted = fs.analysis.simulate(step.lower(state, batch), machine)
+    if mesh.rank == 0:
+        fs.analysis.save_chrome_trace(measured, os.path.join(out_dir, "gpt_step_trace.json"))
+        fs.analysis.plot_gantt(measured, os.path.join(out_dir, "simulator_gantt.png"),
+                               title=f"GPT step, 2 ranks, measured: {measured.plain_step_s * 1e3:.0f} ms "
+                                     f"(with marks {measured.marked_step_s * 1e3:.0f} ms, overhead {measured.overhead * 100:+.1f}%)")
+        fs.analysis.plot_gantt(predicted.as_profile(), os.path.join(out_dir, "simulator_predicted_gantt.png"),
+                               title=f"GPT step, one rank, predicted: {predicted.step_s * 1e3:.0f} ms")
+    return dict(plain_s=measured.plain_step_s, marked_s=measured.marked_step_s, overhead=measured.overhead,
+                marks=measured.marks, predicted_s=predicted.step_s)
+
+
 def plan_7b(world_sizes=(8, 64, 1024), *, sequence: int = 2048, device_bytes: int = 80 * 10**9) -> list[dict]:
     """Llama-7B (32 layers, d 4096, bf16, AdamW) planned on abstract meshes: no allocation."""
     from transformers import LlamaForCausalLM
@@ -185,6 +207,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--plan", action="store_true")
+    parser.add_argument("--timeline", action="store_true")
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs"),
+                        help="where --timeline writes its charts (default docs/)")
     parser.add_argument("--steps", type=int, default=9)
     parser.add_argument("--worlds", default="2,4")
     args = parser.parse_args()
@@ -194,6 +219,12 @@ def main() -> None:
             print(f"Llama-7B on {r['world']} ranks: planned in {r['planning_s']:.1f} s; {a.summary()}")
             print(f"  fits 80 GB: {r['fits']}; H100 SXM (public specs) predicted step {r['h100_step_s']:.2f} s, "
                   f"exposed communication {r['h100_exposed_s']:.3f} s")
+        return
+    if args.timeline:
+        with fs.testing.LocalWorld(2, call_timeout=1800.0) as local:
+            r = local.run(timeline, args.out)[0]
+        print(f"GPT step at 2 ranks: {r['plain_s'] * 1e3:.1f} ms plain, {r['marked_s'] * 1e3:.1f} ms with {r['marks']} marks "
+              f"(overhead {r['overhead'] * 100:+.1f}%), predicted {r['predicted_s'] * 1e3:.1f} ms; charts in {args.out}")
         return
     models = ["mlp"] if args.quick else ["mlp", "gpt", "llama"]
     schedules = ["default"] if args.quick else list(SCHEDULES)

@@ -281,7 +281,7 @@ def plot_gantt(result: Profile, path: str, *, title: str = "") -> None:
     colors = {"forward": "#4C72B0", "backward": "#55A868", "update": "#8172B2"}
     kinds = {"all_gather": "#DD8452", "reduce_scatter": "#937860", "all_reduce": "#DA8BC3"}
     n = len(result.ranks)
-    fig, ax = plt.subplots(figsize=(12, 1.2 + 1.1 * n))
+    fig, ax = plt.subplots(figsize=(13, 1.6 + 1.1 * n))
     yticks, ylabels = [], []
     for rank, timeline in enumerate(result.ranks):
         base = (n - 1 - rank) * 3
@@ -302,7 +302,7 @@ def plot_gantt(result: Profile, path: str, *, title: str = "") -> None:
     ax.set_xlabel("time since the step started (ms)")
     handles = [Patch(color=c, label=p) for p, c in colors.items()] + [Patch(color="#C44E52", label="exposed communication (wait)")]
     handles += [Patch(color=c, label=k.replace("_", "-")) for k, c in kinds.items()]
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=4, fontsize=8, frameon=False)
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), ncol=1, fontsize=8, frameon=False)
     ax.set_title(title or f"profiled step: {result.marked_step_s * 1e3:.1f} ms marked, {result.plain_step_s * 1e3:.1f} ms plain")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
