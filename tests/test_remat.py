@@ -267,6 +267,46 @@ def test_remat_with_microbatches_keeps_the_bits_of_every_feature(local_world, la
         assert not out["problems"] and len(out["rematerialized"]) == out["expected"], out
 
 
+def llama_with_microbatches(mesh, accumulate: str) -> dict:
+    """A Hugging Face Llama (RMSNorm, rotary embeddings, grouped-query attention) with padding,
+    token-weighted losses and 2 micro-batches: traced with remat against the eager reference.
+    Its backward computes values from the forward's alone (RMSNorm's `pow`, SiLU's `sigmoid`)
+    before it reads the next micro-batch's: those are the previous micro-batch's backward, and
+    each micro-batch recomputes the same."""
+    from test_training import build_hf, padded_batch, rows, token_sum
+
+    runs = {}
+    for label, schedule in (("eager", fs.Schedule(trace=False, accumulate=accumulate)), ("remat", fs.Schedule(accumulate=accumulate, remat=True))):
+        apply_fn, params = fs.functionalize(build_hf("llama"))
+
+        def loss_fn(p, batch):
+            ids, mask, labels = batch
+            n = (labels[:, 1:] != -100).sum()
+            return fs.WeightedLoss(token_sum(apply_fn(p, input_ids=ids, attention_mask=mask).logits, labels) / n, n)
+
+        step = fs.sharded_step(loss_fn, mesh, optimizer=fs.optim.adamw(1e-2), microbatches=2, schedule=schedule)
+        state = step.init(params)
+        for i in range(2):
+            state, metrics = step(state, rows(padded_batch(mesh.world_size, i, per_rank=4), mesh.rank, per_rank=4))
+        runs[label] = state, metrics, step
+    state, metrics, step = runs["remat"]
+    recomputed = {e.unit: e.nbytes for e in step.schedule_events if e.event == "recomputed"}
+    return {
+        "problems": bit_problems("llama", state, metrics, fs.tree_leaves(runs["eager"][0]), runs["eager"][1]),
+        "recomputed": recomputed,
+    }
+
+
+@pytest.mark.parametrize("accumulate", ["sharded", "full"])
+def test_remat_with_microbatches_on_a_hugging_face_llama(local_world, accumulate):
+    pytest.importorskip("transformers")
+    for out in local_world(2).run(llama_with_microbatches, accumulate):
+        layers = ["model.layers.1", "model.layers.0"]
+        assert not out["problems"], out
+        assert list(out["recomputed"]) == [f"{u}@mb{i}" for i in range(2) for u in layers], out
+        assert all(out["recomputed"][f"{u}@mb0"] == out["recomputed"][f"{u}@mb1"] > 0 for u in layers), out
+
+
 # --- memory ------------------------------------------------------------------------------------------
 
 

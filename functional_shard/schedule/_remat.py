@@ -59,9 +59,15 @@ class rematerialize(Pass):
     The unit whose forward computes the loss is not recomputed: the backward reads its values
     as soon as the forward ends, so recomputing them would cost compute and save nothing.
 
+    With micro-batches (`sharded_step(..., microbatches=k)`) the graph runs forward 0,
+    backward 0, forward 1, ...: each micro-batch's units (`<unit>@mb<i>`, as its gathers are
+    labelled) are recomputed in that micro-batch's backward, so one micro-batch's activations
+    are alive at a time, as without remat, and fewer of them.
+
     Arguments:
         units: True recomputes every unit, False none; a tuple of unit names (e.g.
-            `("blocks.0", "blocks.1")`) those; a function `unit -> bool` the units it accepts.
+            `("blocks.0", "blocks.1")`) those; a function `unit -> bool` the units it accepts
+            (with micro-batches it is asked about the unit's name, `blocks.0`, not its label).
 
     Run it before `reshard_after_forward`: the recomputed nodes read the unit's gathered
     parameters in the backward, and that pass gives such reads the backward's own all-gather
