@@ -1,6 +1,7 @@
 """The training options' costs: peak memory per rank and bytes moved per step, option by option.
 
-    python benchmarks/training_memory.py [--world-size 2] [--n-layer 8] [--d-model 128] [--batch-size 16] [--arms NAME ...]
+    python benchmarks/training_memory.py [--world-size 2] [--n-layer 8] [--d-model 128] [--batch-size 16]
+                                         [--arms NAME ...]
 
 A GPT (block size 64, 4 heads, the shipped corpus) trained with AdamW, batch 16 sequences of 64
 tokens per rank. For each arm, one warm-up step (it traces), then one step under `MemTracker`

@@ -9,10 +9,11 @@ On real gloo worlds of 2 processes:
 - memory: the bytes the graph allocates and keeps alive at once (counted per storage while it
   runs) drop by more than 40% on a 4-block GPT;
 - with micro-batches (k = 1, 2, 4, `accumulate="sharded"` and `"full"`; prefetch 0/1/2, reshard
-  on/off, every unit, a set, a policy; GPT, dropout, BatchNorm, bf16): the eager reference's
-  bits, each micro-batch's units recomputed in that micro-batch's backward, its forward gathers
-  freed in its forward; one micro-batch's activations alive at a time (the analysis of the
-  graph and counted while it runs), fewer bytes than without remat;
+  on/off, every unit, a set, a policy; GPT, dropout, BatchNorm, bf16, frozen parameters, a
+  Hugging Face Llama with token-weighted padded batches): the eager reference's bits, each
+  micro-batch's units recomputed in that micro-batch's backward, its forward gathers freed in
+  its forward; one micro-batch's activations alive at a time (the analysis of the graph and
+  counted while it runs), fewer bytes than without remat;
 - `torch.utils.checkpoint` in `loss_fn` raises an error that points to `fs.Schedule(remat=...)`,
   traced and eager.
 """
@@ -50,6 +51,11 @@ def model_of(name: str) -> torch.nn.Module:
     if name == "gpt_dropout":
         torch.manual_seed(0)
         return GPT(GPTConfig(vocab_size=31, block_size=16, n_layer=2, n_head=2, d_model=24, dropout=0.2))
+    if name == "gpt_frozen":  # gathered once for every micro-batch: blocks.1, and blocks.0's attention
+        model = build("gpt")
+        for path, parameter in model.named_parameters():
+            parameter.requires_grad_(not path.startswith(("blocks.1.", "blocks.0.attn.")))
+        return model
     return build(name)
 
 
@@ -194,7 +200,9 @@ def microbatch_schedules(accumulate: str) -> list[fs.Schedule]:
         fs.Schedule(prefetch=0, reshard_after_forward=False, accumulate=accumulate, remat=True),
         fs.Schedule(prefetch=2, accumulate=accumulate, remat=("blocks.0", "blocks.2")),
         fs.Schedule(prefetch=0, accumulate=accumulate, remat=lambda unit: unit != "blocks.0"),
-        fs.Schedule(prefetch=2, reshard_after_forward=False, accumulate=accumulate, remat=lambda unit: unit != "blocks.1"),
+        fs.Schedule(
+            prefetch=2, reshard_after_forward=False, accumulate=accumulate, remat=lambda unit: unit != "blocks.1"
+        ),
     ]
 
 
@@ -243,13 +251,15 @@ MICROBATCH_FEATURES = {  # label -> (model, accumulate, micro-batches, precision
     "dropout": ("gpt_dropout", "full", 2, None),
     "batch norm": ("cnn", "sharded", 4, None),
     "bf16": ("gpt", "full", 2, torch.bfloat16),
+    "frozen": ("gpt_frozen", "full", 2, None),
 }
 
 
 def microbatch_feature(mesh, label: str) -> dict:
     name, accumulate, k, dtype = MICROBATCH_FEATURES[label]
     options = {"microbatches": k, "precision": fs.Precision(param_dtype=dtype) if dtype else None}
-    reference, reference_metrics, _ = run_steps(mesh, name, fs.Schedule(trace=False, accumulate=accumulate), 2, **options)
+    eager = fs.Schedule(trace=False, accumulate=accumulate)
+    reference, reference_metrics, _ = run_steps(mesh, name, eager, 2, **options)
     state, metrics, step = run_steps(mesh, name, fs.Schedule(accumulate=accumulate, remat=True), 2, **options)
     blocks = 2 if name.startswith("gpt") else 3
     return {
@@ -262,7 +272,8 @@ def microbatch_feature(mesh, label: str) -> dict:
 @pytest.mark.parametrize("label", list(MICROBATCH_FEATURES))
 def test_remat_with_microbatches_keeps_the_bits_of_every_feature(local_world, label):
     """Layer norm and attention (GPT), dropout (the masks are kept: the same draws), BatchNorm
-    (running statistics written in every micro-batch), bf16: every micro-batch's blocks recomputed."""
+    (running statistics written in every micro-batch), bf16, frozen parameters (gathered once
+    for every micro-batch): every micro-batch's blocks recomputed."""
     for out in local_world(2).run(microbatch_feature, label):
         assert not out["problems"] and len(out["rematerialized"]) == out["expected"], out
 
@@ -275,15 +286,16 @@ def llama_with_microbatches(mesh, accumulate: str) -> dict:
     each micro-batch recomputes the same."""
     from test_training import build_hf, padded_batch, rows, token_sum
 
+    apply_fn, params = fs.functionalize(build_hf("llama"))
+
+    def loss_fn(p, batch):
+        ids, mask, labels = batch
+        n = (labels[:, 1:] != -100).sum()
+        return fs.WeightedLoss(token_sum(apply_fn(p, input_ids=ids, attention_mask=mask).logits, labels) / n, n)
+
     runs = {}
-    for label, schedule in (("eager", fs.Schedule(trace=False, accumulate=accumulate)), ("remat", fs.Schedule(accumulate=accumulate, remat=True))):
-        apply_fn, params = fs.functionalize(build_hf("llama"))
-
-        def loss_fn(p, batch):
-            ids, mask, labels = batch
-            n = (labels[:, 1:] != -100).sum()
-            return fs.WeightedLoss(token_sum(apply_fn(p, input_ids=ids, attention_mask=mask).logits, labels) / n, n)
-
+    for label, trace in (("eager", False), ("remat", True)):
+        schedule = fs.Schedule(trace=trace, accumulate=accumulate, remat=trace)
         step = fs.sharded_step(loss_fn, mesh, optimizer=fs.optim.adamw(1e-2), microbatches=2, schedule=schedule)
         state = step.init(params)
         for i in range(2):

@@ -14,6 +14,9 @@ Never recomputed (their outputs are kept): random ops (`bernoulli`, `native_drop
 storage is written after them, collectives, and views of the gathered parameters (the
 recomputed nodes read those, so `reshard_after_forward`, run after this pass, redirects them
 to the backward's own all-gather like any other backward read).
+
+With micro-batches the graph runs forward 0, backward 0, forward 1, ... (one marked forward end
+per micro-batch): each micro-batch's units are recomputed in that micro-batch's backward.
 """
 
 from __future__ import annotations
@@ -174,7 +177,7 @@ def _forward_nodes(
     several = len(ends) > 1
     microbatch_of: dict[fx.Node, int] = {}
     latest: dict[fx.Node, tuple[int, str, int]] = {}  # node -> (position of the read, unit label, micro-batch)
-    backward: set[fx.Node] = set(ends)  # read by micro-batch i only if it belongs to an earlier backward
+    backward: set[fx.Node] = set(ends)  # forward ends and an earlier backward's nodes: their readers are backward too
     microbatch = 0
     for node in gm.graph.nodes:
         if microbatch == len(ends):
