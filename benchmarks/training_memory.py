@@ -1,6 +1,7 @@
 """The training options' costs: peak memory per rank and bytes moved per step, option by option.
 
     python benchmarks/training_memory.py [--world-size 2] [--n-layer 8] [--d-model 128] [--batch-size 16]
+                                         [--arms NAME ...]
 
 A GPT (block size 64, 4 heads, the shipped corpus) trained with AdamW, batch 16 sequences of 64
 tokens per rank. For each arm, one warm-up step (it traces), then one step under `MemTracker`
@@ -30,18 +31,20 @@ ARMS = {
     "4 micro-batches, full": dict(microbatches=4, schedule=fs.Schedule(accumulate="full")),
     "remat every unit": dict(schedule=fs.Schedule(remat=True)),
     "bf16 + remat": dict(precision=BF16, schedule=fs.Schedule(remat=True)),
+    "4 micro-batches, sharded + remat": dict(microbatches=4, schedule=fs.Schedule(remat=True)),
+    "4 micro-batches, full + remat": dict(microbatches=4, schedule=fs.Schedule(accumulate="full", remat=True)),
     "clip 1.0 (chain)": dict(optimizer=fs.optim.chain(fs.optim.clip_by_global_norm(1.0), fs.optim.adamw(lr=3e-3))),
 }
 
 
-def run(world_size: int, batch_size: int, n_layer: int, d_model: int) -> dict:
+def run(world_size: int, batch_size: int, n_layer: int, d_model: int, arms: list[str]) -> dict:
     mesh = fs.init_mesh({"fsdp": world_size})
     tokens, config, params, loss_fn = corpus_gpt(n_layer, d_model)
 
     report = {}
     generator = torch.Generator().manual_seed(1 + mesh.rank)
-    for name, options in ARMS.items():
-        options = {"optimizer": fs.optim.adamw(lr=3e-3, weight_decay=0.1), **options}
+    for name in arms:
+        options = {"optimizer": fs.optim.adamw(lr=3e-3, weight_decay=0.1), **ARMS[name]}
         step = fs.sharded_step(loss_fn, mesh, **options)
         state = step.init(params)
         batch = batches(tokens, batch_size, 64, generator=generator)
@@ -66,8 +69,12 @@ if __name__ == "__main__":
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--n-layer", type=int, default=8)
     parser.add_argument("--d-model", type=int, default=128)
+    parser.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS), metavar="NAME",
+                        help=f"run only these arms (default: all of {list(ARMS)})")
     args = parser.parse_args()
-    report = fs.launch(run, world_size=args.world_size, args=(args.world_size, args.batch_size, args.n_layer, args.d_model))
+    report = fs.launch(
+        run, world_size=args.world_size, args=(args.world_size, args.batch_size, args.n_layer, args.d_model, args.arms)
+    )
     params = report.pop("params")
     mib = 2**20
     print(

@@ -327,8 +327,6 @@ def parse_args(argv=None) -> TrainConfig:
     args = parser.parse_args(argv)
     if args.microbatches < 1 or args.batch_size % args.microbatches:
         parser.error(f"--microbatches {args.microbatches} must divide --batch-size {args.batch_size}")
-    if args.remat and args.microbatches > 1:
-        parser.error("--remat works with --microbatches 1 only (rematerialization of micro-batch steps is not supported yet)")
     if args.resume and not (Path(args.out) / "checkpoint").exists():
         parser.error(f"--resume: no checkpoint in {Path(args.out) / 'checkpoint'} (run without --resume first)")
     return TrainConfig(

@@ -109,7 +109,9 @@ def test_hf_llama_example_trains_resumes_and_exports(tmp_path):
 def test_hf_llama_example_remat_flag(tmp_path):
     pytest.importorskip("transformers")
     script = str(EXAMPLES / "train_hf_llama.py")
-    run = run_example(script, "--remat", "--steps", "2", "--eval-every", "0", "--no-export", "--out", str(tmp_path))
+    run = run_example(
+        script, "--remat", "--microbatches", "2", "--steps", "2", "--eval-every", "0", "--no-export", "--out", str(tmp_path)
+    )
     assert run.returncode == 0, run.stderr[-4000:]
 
 

@@ -8,6 +8,12 @@ On real gloo worlds of 2 processes:
   buffer is freed in the forward, and `max_units_alive` stays within prefetch + 2;
 - memory: the bytes the graph allocates and keeps alive at once (counted per storage while it
   runs) drop by more than 40% on a 4-block GPT;
+- with micro-batches (k = 1, 2, 4, `accumulate="sharded"` and `"full"`; prefetch 0/1/2, reshard
+  on/off, every unit, a set, a policy; GPT, dropout, BatchNorm, bf16, frozen parameters, a
+  Hugging Face Llama with token-weighted padded batches): the eager reference's bits, each
+  micro-batch's units recomputed in that micro-batch's backward, its forward gathers freed in
+  its forward; one micro-batch's activations alive at a time (the analysis of the graph and
+  counted while it runs), fewer bytes than without remat;
 - `torch.utils.checkpoint` in `loss_fn` raises an error that points to `fs.Schedule(remat=...)`,
   traced and eager.
 """
@@ -45,6 +51,11 @@ def model_of(name: str) -> torch.nn.Module:
     if name == "gpt_dropout":
         torch.manual_seed(0)
         return GPT(GPTConfig(vocab_size=31, block_size=16, n_layer=2, n_head=2, d_model=24, dropout=0.2))
+    if name == "gpt_frozen":  # gathered once for every micro-batch: blocks.1, and blocks.0's attention
+        model = build("gpt")
+        for path, parameter in model.named_parameters():
+            parameter.requires_grad_(not path.startswith(("blocks.1.", "blocks.0.attn.")))
+        return model
     return build(name)
 
 
@@ -63,7 +74,11 @@ def run_steps(mesh, name: str, schedule: fs.Schedule, steps: int = STEPS, *, has
     metrics = None
     data = "gpt" if name.startswith("gpt") else name
     for i in range(steps):
-        state, metrics = step(state, local_batch(global_batch(data, mesh.world_size, i), mesh.rank))
+        if options.get("microbatches", 1) > 1:  # 4 rows per rank: 2 or 4 micro-batches
+            batch = tuple(t[4 * mesh.rank : 4 * (mesh.rank + 1)] for t in global_batch(data, 4 * mesh.world_size, i))
+        else:
+            batch = local_batch(global_batch(data, mesh.world_size, i), mesh.rank)
+        state, metrics = step(state, batch)
     return state, metrics, step
 
 
@@ -167,14 +182,141 @@ def other_features(mesh) -> dict:
             and all(torch.equal(a, b) for a, b in zip(fs.tree_leaves(metrics.get("aux")), fs.tree_leaves(reference_metrics.get("aux"))))
             and len(fs.schedule.rematerialized(step.schedule_events)) == 3 - (name == "gpt")
         )
-    with pytest.raises(ValueError, match="microbatches"):
-        run_steps(mesh, "gpt", fs.Schedule(remat=True), steps=1, microbatches=3)
     return out
 
 
 def test_batch_norm_aux_and_mixed_precision_keep_their_bits(local_world):
     for out in local_world(2).run(other_features):
         assert all(out.values()), out
+
+
+# --- with micro-batches ----------------------------------------------------------------------------
+
+
+def microbatch_schedules(accumulate: str) -> list[fs.Schedule]:
+    """Prefetch 0, 1, 2, resharding on and off, every unit, a set of units, a policy."""
+    return [
+        fs.Schedule(accumulate=accumulate, remat=True),
+        fs.Schedule(prefetch=0, reshard_after_forward=False, accumulate=accumulate, remat=True),
+        fs.Schedule(prefetch=2, accumulate=accumulate, remat=("blocks.0", "blocks.2")),
+        fs.Schedule(prefetch=0, accumulate=accumulate, remat=lambda unit: unit != "blocks.0"),
+        fs.Schedule(
+            prefetch=2, reshard_after_forward=False, accumulate=accumulate, remat=lambda unit: unit != "blocks.1"
+        ),
+    ]
+
+
+def forward_ends(step) -> list[int]:
+    """Positions of the micro-batches' forward ends in the last traced graph."""
+    nodes = list(step.cache[next(iter(step.cache))].graph_module.graph.nodes)
+    return [i for i, n in enumerate(nodes) if n.meta.get("fs_forward_end")]
+
+
+def remat_with_microbatches_equals_eager(mesh, accumulate: str, k: int) -> list[str]:
+    options = {"microbatches": k, "steps": 2}
+    reference, reference_metrics, _ = run_steps(mesh, "mlp", fs.Schedule(trace=False, accumulate=accumulate), **options)
+    expected = fs.tree_leaves(reference)
+    blocks = sorted({b.unit for b in reference.params.layout.buffers if b.unit.startswith("blocks.")}, reverse=True)
+    problems = []
+    for schedule in microbatch_schedules(accumulate):
+        state, metrics, step = run_steps(mesh, "mlp", schedule, **options)
+        problems += bit_problems(schedule, state, metrics, expected, reference_metrics)
+        events = step.schedule_events
+        # Every micro-batch's chosen units, recomputed in that micro-batch's backward: between
+        # the end of its forward and the end of the next micro-batch's.
+        chosen = [b for b in blocks if rematerialize(schedule.remat).chooses(b)]
+        labels = [f"{b}@mb{i}" if k > 1 else b for i in range(k) for b in chosen]
+        if fs.schedule.rematerialized(events) != labels:
+            problems.append(f"{schedule}, k={k}: rematerialized {fs.schedule.rematerialized(events)}")
+        ends = [*forward_ends(step), 1 << 62]
+        for e in events:
+            i = int(e.unit.partition("@mb")[2] or 0)
+            if e.event == "recomputed" and not ends[i] < e.position < ends[i + 1]:
+                problems.append(f"{schedule}, k={k}: {e.unit} recomputed at {e.position}, outside its backward {ends}")
+            # With resharding the recomputed nodes read the backward's gathers: each micro-batch's
+            # forward gathers die in its forward.
+            if schedule.reshard_after_forward and e.event == "freed" and e.phase == "forward" and e.position > ends[i]:
+                problems.append(f"{schedule}, k={k}: forward gather of {e.unit} freed at {e.position}, after {ends[i]}")
+    return problems
+
+
+@pytest.mark.parametrize("accumulate, k", [("sharded", 2), ("sharded", 4), ("full", 1), ("full", 2), ("full", 4)])
+def test_remat_with_microbatches_is_bit_identical_to_eager(local_world, accumulate, k):
+    for rank, problems in enumerate(local_world(2).run(remat_with_microbatches_equals_eager, accumulate, k)):
+        assert not problems, f"rank {rank}: " + "\n".join(problems)
+
+
+MICROBATCH_FEATURES = {  # label -> (model, accumulate, micro-batches, precision)
+    "gpt": ("gpt", "sharded", 2, None),
+    "dropout": ("gpt_dropout", "full", 2, None),
+    "batch norm": ("cnn", "sharded", 4, None),
+    "bf16": ("gpt", "full", 2, torch.bfloat16),
+    "frozen": ("gpt_frozen", "full", 2, None),
+}
+
+
+def microbatch_feature(mesh, label: str) -> dict:
+    name, accumulate, k, dtype = MICROBATCH_FEATURES[label]
+    options = {"microbatches": k, "precision": fs.Precision(param_dtype=dtype) if dtype else None}
+    eager = fs.Schedule(trace=False, accumulate=accumulate)
+    reference, reference_metrics, _ = run_steps(mesh, name, eager, 2, **options)
+    state, metrics, step = run_steps(mesh, name, fs.Schedule(accumulate=accumulate, remat=True), 2, **options)
+    blocks = 2 if name.startswith("gpt") else 3
+    return {
+        "problems": bit_problems(label, state, metrics, fs.tree_leaves(reference), reference_metrics),
+        "rematerialized": fs.schedule.rematerialized(step.schedule_events),
+        "expected": blocks * k,
+    }
+
+
+@pytest.mark.parametrize("label", list(MICROBATCH_FEATURES))
+def test_remat_with_microbatches_keeps_the_bits_of_every_feature(local_world, label):
+    """Layer norm and attention (GPT), dropout (the masks are kept: the same draws), BatchNorm
+    (running statistics written in every micro-batch), bf16, frozen parameters (gathered once
+    for every micro-batch): every micro-batch's blocks recomputed."""
+    for out in local_world(2).run(microbatch_feature, label):
+        assert not out["problems"] and len(out["rematerialized"]) == out["expected"], out
+
+
+def llama_with_microbatches(mesh, accumulate: str) -> dict:
+    """A Hugging Face Llama (RMSNorm, rotary embeddings, grouped-query attention) with padding,
+    token-weighted losses and 2 micro-batches: traced with remat against the eager reference.
+    Its backward computes values from the forward's alone (RMSNorm's `pow`, SiLU's `sigmoid`)
+    before it reads the next micro-batch's: those are the previous micro-batch's backward, and
+    each micro-batch recomputes the same."""
+    from test_training import build_hf, padded_batch, rows, token_sum
+
+    apply_fn, params = fs.functionalize(build_hf("llama"))
+
+    def loss_fn(p, batch):
+        ids, mask, labels = batch
+        n = (labels[:, 1:] != -100).sum()
+        return fs.WeightedLoss(token_sum(apply_fn(p, input_ids=ids, attention_mask=mask).logits, labels) / n, n)
+
+    runs = {}
+    for label, trace in (("eager", False), ("remat", True)):
+        schedule = fs.Schedule(trace=trace, accumulate=accumulate, remat=trace)
+        step = fs.sharded_step(loss_fn, mesh, optimizer=fs.optim.adamw(1e-2), microbatches=2, schedule=schedule)
+        state = step.init(params)
+        for i in range(2):
+            state, metrics = step(state, rows(padded_batch(mesh.world_size, i, per_rank=4), mesh.rank, per_rank=4))
+        runs[label] = state, metrics, step
+    state, metrics, step = runs["remat"]
+    recomputed = {e.unit: e.nbytes for e in step.schedule_events if e.event == "recomputed"}
+    return {
+        "problems": bit_problems("llama", state, metrics, fs.tree_leaves(runs["eager"][0]), runs["eager"][1]),
+        "recomputed": recomputed,
+    }
+
+
+@pytest.mark.parametrize("accumulate", ["sharded", "full"])
+def test_remat_with_microbatches_on_a_hugging_face_llama(local_world, accumulate):
+    pytest.importorskip("transformers")
+    for out in local_world(2).run(llama_with_microbatches, accumulate):
+        layers = ["model.layers.1", "model.layers.0"]
+        assert not out["problems"], out
+        assert list(out["recomputed"]) == [f"{u}@mb{i}" for i in range(2) for u in layers], out
+        assert all(out["recomputed"][f"{u}@mb0"] == out["recomputed"][f"{u}@mb1"] > 0 for u in layers), out
 
 
 # --- memory ------------------------------------------------------------------------------------------
@@ -228,6 +370,43 @@ def test_remat_lowers_the_bytes_alive(local_world):
     for out in local_world(2).run(peak_bytes):
         assert out["remat"] < 0.6 * out["plain"], out
         assert out["remat units alive"] <= 3 and out["plain units alive"] <= 3, out
+
+
+def microbatch_memory(mesh, accumulate: str) -> dict:
+    """Bytes a step allocates beyond its inputs, at its peak: predicted from the scheduled graph
+    (`fs.analysis`: in total and the activations' share) and counted while it runs, for 1 and 4
+    micro-batches, without and with remat."""
+    torch.manual_seed(0)
+    apply_fn, params = fs.functionalize(MLP(16, 64, 4, n_blocks=4))
+    batch = (torch.randn(512, 16), torch.randint(0, 4, (512,)))
+    out = {}
+    for k, remat in itertools.product((1, 4), (False, True)):
+        step = fs.sharded_step(
+            lambda p, b: cross_entropy(apply_fn(p, b[0]), b[1]), mesh, optimizer=fs.optim.sgd(0.1), microbatches=k,
+            schedule=fs.Schedule(accumulate=accumulate, remat=remat),
+        )
+        state, _ = step(step.init(params), batch)  # traces
+        memory = fs.analysis.analyze(next(iter(step.cache.values()))).memory
+        tracker = LiveBytes([*fs.tree_leaves(state), *batch])
+        with tracker:
+            step(state, batch)
+        out[k, remat] = {
+            "predicted": memory.peak - memory.resident,
+            "activations": memory.breakdown.activations,
+            "counted": tracker.peak,
+        }
+    return out
+
+
+@pytest.mark.parametrize("accumulate", ["sharded", "full"])
+def test_remat_with_microbatches_keeps_one_microbatch_of_activations(local_world, accumulate):
+    out = local_world(2).run(microbatch_memory, accumulate)[0]
+    for measure in ("predicted", "counted"):
+        # Less than without remat, and less than remat on the whole batch.
+        assert out[4, True][measure] < 0.8 * out[4, False][measure], (measure, out)
+        assert out[4, True][measure] < 0.6 * out[1, True][measure], (measure, out)
+    # At the peak, the activations of one micro-batch: a quarter of the whole batch's (with remat).
+    assert out[4, True]["activations"] <= 0.3 * out[1, True]["activations"], out
 
 
 # --- torch.utils.checkpoint in loss_fn ------------------------------------------------------------

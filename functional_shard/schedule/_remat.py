@@ -14,6 +14,9 @@ Never recomputed (their outputs are kept): random ops (`bernoulli`, `native_drop
 storage is written after them, collectives, and views of the gathered parameters (the
 recomputed nodes read those, so `reshard_after_forward`, run after this pass, redirects them
 to the backward's own all-gather like any other backward read).
+
+With micro-batches the graph runs forward 0, backward 0, forward 1, ... (one marked forward end
+per micro-batch): each micro-batch's units are recomputed in that micro-batch's backward.
 """
 
 from __future__ import annotations
@@ -59,9 +62,15 @@ class rematerialize(Pass):
     The unit whose forward computes the loss is not recomputed: the backward reads its values
     as soon as the forward ends, so recomputing them would cost compute and save nothing.
 
+    With micro-batches (`sharded_step(..., microbatches=k)`) the graph runs forward 0,
+    backward 0, forward 1, ...: each micro-batch's units (`<unit>@mb<i>`, as its gathers are
+    labelled) are recomputed in that micro-batch's backward, so one micro-batch's activations
+    are alive at a time, as without remat, and fewer of them.
+
     Arguments:
         units: True recomputes every unit, False none; a tuple of unit names (e.g.
-            `("blocks.0", "blocks.1")`) those; a function `unit -> bool` the units it accepts.
+            `("blocks.0", "blocks.1")`) those; a function `unit -> bool` the units it accepts
+            (with micro-batches it is asked about the unit's name, `blocks.0`, not its label).
 
     Run it before `reshard_after_forward`: the recomputed nodes read the unit's gathered
     parameters in the backward, and that pass gives such reads the backward's own all-gather
@@ -97,30 +106,22 @@ class rematerialize(Pass):
         if self.units is False or self.units == ():
             return gm
         position = positions(gm)
-        end_node = forward_end(gm)
-        end = position[end_node]
-        ends = sum(1 for node in gm.graph.nodes if node.meta.get(_FORWARD_END_KEY))
-        if ends > 1 or any(c.kind == "reduce_scatter" and position[c.issue] <= end for c in collectives(gm)):
-            # With micro-batches the graph has one forward and one backward per micro-batch (one
-            # marked end each); the pass handles a single forward followed by its backward.
-            raise ValueError(
-                "rematerialize: this step's graph runs backward passes before the end of its forward "
-                "(sharded_step(..., microbatches=k) with k > 1), which the pass does not support yet: use "
-                "microbatches=1 with fs.Schedule(remat=...), or remat=False with micro-batches (each micro-batch's "
-                "activations are already 1/k of the batch's)"
-            )
-        parameters = _gathered_parameters(gm, position, end)
-        known = list(dict.fromkeys(parameters.values()))
+        # Each micro-batch's loss ends its forward (one mark per micro-batch, graph order).
+        ends = [node for node in gm.graph.nodes if node.meta.get(_FORWARD_END_KEY)] or [forward_end(gm)]
+        parameters = _gathered_parameters(gm, position, position[ends[-1]])
+        known = list(dict.fromkeys(_unit_name(u) for u in parameters.values()))
         if isinstance(self.units, tuple):
             unknown = [u for u in self.units if u not in known]
             if unknown:
                 raise ValueError(f"rematerialize: no unit named {unknown} in this step; its units are {known}")
-        unit_of = _units_of_forward_nodes(gm, parameters, position, end)
-        chosen = {u for u in known if self.chooses(u) and u != unit_of.get(end_node)}
-        recomputed = _recomputed_nodes(gm, unit_of, chosen, parameters, position, end)
-        for unit in known:
-            if unit in chosen:
-                _recompute(gm, unit, [n for n in recomputed if unit_of[n] == unit], position, end)
+        microbatch_of, unit_of = _forward_nodes(gm, parameters, position, ends)
+        losses = {unit_of.get(end) for end in ends}
+        chosen = {u for u in unit_of.values() if self.chooses(_unit_name(u)) and u not in losses}
+        recomputed: dict[str, list[fx.Node]] = {}
+        for node in _recomputed_nodes(gm, unit_of, microbatch_of, chosen, position):
+            recomputed.setdefault(unit_of[node], []).append(node)
+        for unit, nodes in recomputed.items():
+            _recompute(gm, unit, nodes, position, position[ends[microbatch_of[nodes[0]]]])
         gm.graph.lint()
         return gm
 
@@ -139,30 +140,67 @@ def recomputed_units(gm: fx.GraphModule) -> dict[str, list[fx.Node]]:
 
 
 def _gathered_parameters(gm: fx.GraphModule, position: dict, end: int) -> dict[fx.Node, str]:
-    """Every view of a buffer gathered for the forward -> its unit (a bucket: per member)."""
+    """Every view of a buffer gathered for a forward (waited by `end`, the last forward's end)
+    -> its unit (a bucket: per member)."""
     out: dict[fx.Node, str] = {}
     for c in collectives(gm):
-        if c.kind == "all_gather" and position[c.wait] <= end:
+        if c.kind == "all_gather" and c.phase != "backward" and position[c.wait] <= end:
             for member in c.members():
                 for alias in aliases(member.root):
                     out[alias] = member.unit
     return out
 
 
-def _units_of_forward_nodes(gm: fx.GraphModule, parameters: dict, position: dict, end: int) -> dict[fx.Node, str]:
-    """forward node -> the unit of the latest parameter read it depends on (nodes that depend
-    on no parameter, such as the batch, constants and random masks, belong to no unit)."""
-    latest: dict[fx.Node, tuple[int, str]] = {}
+def _unit_name(label: str) -> str:
+    """The unit a label names: with micro-batches the tracer labels unit u's gathers for
+    micro-batch i `u@mb<i>`."""
+    return label.split("@mb")[0]
+
+
+def _microbatch_label(unit: str, microbatch: int, several: bool) -> str:
+    """`unit` as read in micro-batch `microbatch`'s forward: buffers gathered once for every
+    micro-batch (frozen ones) take that micro-batch's label, as its own gathers have it."""
+    return f"{unit}@mb{microbatch}" if several and "@mb" not in unit else unit
+
+
+def _forward_nodes(
+    gm: fx.GraphModule, parameters: dict, position: dict, ends: list[fx.Node]
+) -> tuple[dict[fx.Node, int], dict[fx.Node, str]]:
+    """(forward node -> its micro-batch, forward node -> its unit label).
+
+    With micro-batches the graph runs forward 0, backward 0, forward 1, ...: micro-batch i's
+    forward nodes sit between the end of forward i-1 and end i (`ends`), less the nodes of
+    backward i-1 there: those that read a forward end or a backward node, or a unit's node or
+    parameter of another micro-batch (what a backward reads of its own forward). A forward node's
+    unit is the unit of the latest parameter read it depends on (nodes that depend on no
+    parameter, such as the batch, constants and random masks, belong to no unit)."""
+    several = len(ends) > 1
+    microbatch_of: dict[fx.Node, int] = {}
+    latest: dict[fx.Node, tuple[int, str, int]] = {}  # node -> (position of the read, unit label, micro-batch)
+    backward: set[fx.Node] = set(ends)  # forward ends and an earlier backward's nodes: their readers are backward too
+    microbatch = 0
     for node in gm.graph.nodes:
-        if position[node] > end:
+        if microbatch == len(ends):
             break
+        here = microbatch
+        if node is ends[here]:
+            microbatch += 1
         if node in parameters or node.op != "call_function":
             continue
-        reads = [(position[node], parameters[i]) for i in node.all_input_nodes if i in parameters]
-        inherited = [latest[i] for i in node.all_input_nodes if i in latest]
+        inputs = node.all_input_nodes
+        reads = [(position[node], _microbatch_label(parameters[i], here, several)) for i in inputs if i in parameters]
+        inherited = [latest[i] for i in inputs if i in latest]
+        if (
+            any(i in backward for i in inputs)
+            or any(m != here for _, _, m in inherited)
+            or (several and any(not u.endswith(f"@mb{here}") for _, u in reads))
+        ):
+            backward.add(node)
+            continue
+        microbatch_of[node] = here
         if reads or inherited:
-            latest[node] = max(reads + inherited)
-    return {node: unit for node, (_, unit) in latest.items()}
+            latest[node] = (*max(reads + [(p, u) for p, u, _ in inherited]), here)
+    return microbatch_of, {node: unit for node, (_, unit, _) in latest.items()}
 
 
 # --- which nodes may be recomputed ----------------------------------------------------------------
@@ -244,22 +282,19 @@ def _read_by_output(node: fx.Node) -> bool:
 
 
 def _recomputed_nodes(
-    gm: fx.GraphModule, unit_of: dict, chosen: set, parameters: dict, position: dict, end: int
+    gm: fx.GraphModule, unit_of: dict, microbatch_of: dict, chosen: set, position: dict
 ) -> list[fx.Node]:
     """The forward nodes of the chosen units that the backward reads through copies (graph
     order): recomputable, read by no other unit's forward (those are kept: a unit's output is
-    the next one's input) and not returned by the step. The copies read the originals of
-    everything else."""
+    the next one's input; with micro-batches, units are per micro-batch) and not returned by
+    the step. The copies read the originals of everything else."""
     root, last_write = _storages(gm, position)
-    candidates = {
-        n for n, unit in unit_of.items() if unit in chosen and _recomputable(n, root, last_write, position)
-    }
     out = []
     for node in gm.graph.nodes:
-        if node not in candidates:
+        unit = unit_of.get(node)
+        if unit not in chosen or not _recomputable(node, root, last_write, position):
             continue
-        forward_readers = [u for u in node.users if position[u] <= end]
-        if any(unit_of.get(u) != unit_of[node] for u in forward_readers) or _read_by_output(node):
+        if any(u in microbatch_of and unit_of.get(u) != unit for u in node.users) or _read_by_output(node):
             continue
         out.append(node)
     return out

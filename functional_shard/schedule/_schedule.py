@@ -90,7 +90,8 @@ class Schedule:
             their backward, instead of being kept from forward to backward; what stays alive
             is each unit's input (the residual stream between blocks). True for every unit,
             a tuple of unit names, or a function `unit -> bool`; False (default) for none.
-            Same bits, less memory, about one more forward of compute. Traced steps only.
+            Same bits, less memory, about one more forward of compute. Traced steps only. With
+            micro-batches each micro-batch's units are recomputed in its own backward.
         compile: hand the scheduled graph to `torch.compile` (inductor); results then agree
             with the eager reference to fp32 rounding instead of bit for bit.
         accumulate: with `sharded_step(..., microbatches=k)`, how gradients add up over the
