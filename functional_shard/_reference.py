@@ -7,6 +7,11 @@ For this rank's trainable shards `s`, frozen shards `f`, local leaves `b` and ba
     s, opt_state = optimizer.apply(grads, opt_state, s, scalars)
     loss = all_reduce(loss_r) / world_size
 
+With a `WeightedLoss` (and one micro-batch), the weights are summed over ranks between the
+forward and the backward, and the backward starts from `1 / sum_r w_r` instead of the gradient
+being divided after it (`_weighted_seed`). `grad` runs `loss_fn` under torch.func's transform
+and then the backward that `loss.backward()` runs (`_grad`).
+
 `update` is that function, written over flat lists so that `_jit` can trace it as it is. The
 collectives it issues are labelled with the buffer they move and the phase of the step they
 belong to (`_tracing`), which is how the jit's schedule finds its way around the graph.
@@ -20,6 +25,7 @@ import traceback
 from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
+from torch._functorch.eager_transforms import _vjp_with_argnums
 
 from . import _tracing
 from ._collectives import ReduceScatterFlat
@@ -158,7 +164,7 @@ def _objective(fn: StepFunction, out: Any, scale) -> tuple[torch.Tensor, tuple]:
     objective = loss if weight is None else loss * weight.to(loss.dtype)
     if scale is not None:
         objective = objective * scale.to(objective.dtype)
-    # torch.func.grad's aux must hold tensors only: a weightless loss carries an empty tuple.
+    # torch.func's aux must hold tensors only: a weightless loss carries an empty tuple.
     extras = (loss.detach(), () if weight is None else weight)
     return objective, ((*extras, aux) if fn.has_aux else extras)
 
@@ -175,12 +181,16 @@ def gradients(fn: StepFunction, layout: Layout, shards, local, batch, loss_scale
     local = tuple(t.clone() for t in local)
     total: list[torch.Tensor] | None = None
     losses, weights, auxes = [], [], []
+    # One micro-batch with a WeightedLoss: the weights are summed over ranks between the forward
+    # and the backward, whose seed is then 1 / (sum of weights) (`_weighted_seed`).
+    seeded: list[torch.Tensor] = []
+    seed = (lambda extras: _weighted_seed(extras, mesh, seeded)) if fn.microbatches == 1 else None
     for index, micro in enumerate(split_microbatches(batch, fn.microbatches, fn.input_dtype)):
         with _tracing.microbatch(index if fn.microbatches > 1 else None):
             if fn.accumulate == "full":
-                grads, local, extras = _full_gradients(fn, layout, shards, trainable, frozen_leaves, local, micro, scale)
+                grads, local, extras = _full_gradients(fn, layout, shards, trainable, frozen_leaves, local, micro, scale, seed)
             else:
-                grads, extras = _sharded_gradients(fn, layout, shards, trainable, frozen_leaves, local, micro, scale)
+                grads, extras = _sharded_gradients(fn, layout, shards, trainable, frozen_leaves, local, micro, scale, seed)
         total = list(grads) if total is None else [t + g for t, g in zip(total, grads)]
         losses.append(extras[0])
         weights.append(extras[1] if isinstance(extras[1], torch.Tensor) else None)
@@ -204,11 +214,15 @@ def gradients(fn: StepFunction, layout: Layout, shards, local, batch, loss_scale
         else:
             loss_sum = sum((l.float() * w for l, w in zip(losses[1:], weights[1:])), losses[0].float() * weights[0])
             weight_sum = sum(weights[1:], weights[0])
-            # One collective for both: [sum over ranks and micro-batches of w * loss, of w].
-            sums = mesh.all_reduce_flat(torch.stack([loss_sum, weight_sum]))
+            if seeded:  # the backward was seeded with 1 / sums[1]: the gradient is the mean already
+                sums = seeded[0]
+                mean = dict(zip(names, total))
+            else:
+                # One collective for both: [sum over ranks and micro-batches of w * loss, of w].
+                sums = mesh.all_reduce_flat(torch.stack([loss_sum, weight_sum]))
+                mean = {name: g / sums[1].to(g.dtype) for name, g in zip(names, total)}
             mean_loss = (sums[0] / sums[1]).reshape(())
             loss = (loss_sum / weight_sum).to(losses[0].dtype)
-            mean = {name: g / sums[1].to(g.dtype) for name, g in zip(names, total)}
         finite = None
         if scale is not None:
             mean = {name: g / scale.to(g.dtype) for name, g in mean.items()}
@@ -220,7 +234,32 @@ def gradients(fn: StepFunction, layout: Layout, shards, local, batch, loss_scale
     return Gradients(mean, local, loss, mean_loss, aux, finite, tuple(losses))
 
 
-def _sharded_gradients(fn: StepFunction, layout: Layout, shards, trainable, frozen_leaves, local, micro, scale):
+def _weighted_seed(extras: tuple, mesh: BaseMesh, seeded: list) -> torch.Tensor | None:
+    """The seed of a WeightedLoss's backward, between its forward and its backward: with
+    `W = sum_r weight_r` (one all-reduce of `[weight * loss, weight]`, appended to `seeded`;
+    the step's mean loss reads it), `1 / W` in the loss's dtype. None for a plain loss (the
+    backward starts from 1).
+
+    So a rank's gradient is that of `weight * loss / W` as `loss.backward()` computes it
+    (the cotangent of `loss` is `weight * (1 / W)`, of a token sum `loss = s / n` with
+    `weight = n` that times `1 / n`): the single-process token mean `S / W` seeds its
+    backward with `1 / W` too, and so does DDP with `s * world / W`. Scaling the summed
+    gradient by `1 / W` after the backward instead gives other (valid) roundings, which
+    AdamW magnifies where a gradient is ~0: 3-4x further from single-process training
+    than DDP on Llama after 5 steps.
+
+    Only for a float32 or float64 loss: `1 / W` in float16 is subnormal from W = 16385 on
+    (bfloat16 keeps 8 bits of it); a 16-bit loss keeps the division after the backward."""
+    loss, weight = extras[0], extras[1]
+    if not isinstance(weight, torch.Tensor) or loss.dtype not in (torch.float32, torch.float64):
+        return None
+    with _tracing.phase("forward"):
+        sums = mesh.all_reduce_flat(torch.stack([loss.float() * weight, weight]))
+    seeded.append(sums)
+    return (1 / sums[1]).to(loss.dtype)
+
+
+def _sharded_gradients(fn: StepFunction, layout: Layout, shards, trainable, frozen_leaves, local, micro, scale, seed=None):
     """One micro-batch's gradient with respect to this rank's trainable shards: `grad` of
     `loss ∘ gather`, whose backward reduce-scatters (the "sharded" strategy, and k = 1)."""
     mesh = fn.mesh
@@ -235,8 +274,33 @@ def _sharded_gradients(fn: StepFunction, layout: Layout, shards, trainable, froz
                 out = fn.loss_fn(layout.assemble(leaves, local), micro)
         return _objective(fn, out, scale)
 
+    return _grad(local_loss, tuple(shards[k] for k in trainable), local, seed)
+
+
+def _grad(local_loss, diff: tuple, local, seed=None) -> tuple[tuple, Any]:
+    """`(gradient of the objective with respect to diff, extras)` from `local_loss(diff, local)
+    -> (objective, extras)`: what `torch.func.grad(local_loss, has_aux=True)(diff, local)`
+    returns, but with the backward that `objective.backward(seed(extras))` runs. `seed(extras)`
+    is called between the forward and the backward; None, or no `seed`: the backward starts
+    from 1.
+
+    The forward runs under torch.func's transform, as in `torch.func.grad` (`local` may be
+    updated in place; saved-tensor hooks and autograd Functions without `setup_context`, i.e.
+    `torch.utils.checkpoint`, are refused: `_no_torch_checkpoint`). The backward does not:
+    `torch.func.grad` runs it with `create_graph=True` (so that transforms can nest), and with
+    grad mode on autograd picks other formulas for some ops (`silu`'s backward becomes
+    `grad * s * (1 + x * (1 - s))`, `s = sigmoid(x)`, instead of the `silu_backward` kernel;
+    `mish` likewise): valid gradients, rounded differently from what `loss.backward()` in
+    single-process or DDP training computes. The step is the outermost transform; it needs
+    no graph of its backward.
+    """
     with _no_torch_checkpoint():
-        return torch.func.grad(local_loss, has_aux=True)(tuple(shards[k] for k in trainable), local)
+        # torch.func.vjp with argnums: `local` is an input of the transformed function (so it
+        # may be written in place), not differentiated.
+        objective, vjp_fn, extras = _vjp_with_argnums(local_loss, diff, local, argnums=0, has_aux=True)
+        cotangent = seed(extras) if seed is not None else None
+        grads = vjp_fn(torch.ones_like(objective) if cotangent is None else cotangent, retain_graph=False, create_graph=False)
+    return grads, extras
 
 
 _TORCH_CHECKPOINT = os.path.join("torch", "utils", "checkpoint.py")
@@ -244,7 +308,7 @@ _TORCH_CHECKPOINT = os.path.join("torch", "utils", "checkpoint.py")
 
 @contextlib.contextmanager
 def _no_torch_checkpoint() -> Iterator[None]:
-    """`torch.utils.checkpoint` in `loss_fn` fails under `torch.func.grad` (saved tensor hooks,
+    """`torch.utils.checkpoint` in `loss_fn` fails under `torch.func`'s transforms (saved tensor hooks,
     or an autograd.Function without setup_context): re-raise its error as one that names the
     way that works, rematerialization on the traced graph."""
     try:
@@ -255,14 +319,14 @@ def _no_torch_checkpoint() -> Iterator[None]:
         detail = str(error).strip().splitlines()[0][:200] if str(error).strip() else ""
         raise StepError(
             f"torch.utils.checkpoint cannot run inside loss_fn: the step differentiates loss_fn with "
-            f"torch.func.grad, which does not support it (RuntimeError: {detail}). Call the function without "
+            f"torch.func (vjp), which does not support it (RuntimeError: {detail}). Call the function without "
             f"checkpoint and let the step rematerialize instead: sharded_step(..., schedule=fs.Schedule(remat=True)) "
             f"recomputes every unit's forward right before its backward (or remat=('blocks.0', ...) for some "
             f"units, or a function unit -> bool), with the same bits; it applies to traced steps (trace=True)"
         ) from error
 
 
-def _full_gradients(fn: StepFunction, layout: Layout, shards, trainable, frozen_leaves, local, micro, scale):
+def _full_gradients(fn: StepFunction, layout: Layout, shards, trainable, frozen_leaves, local, micro, scale, seed=None):
     """One micro-batch's gradient with respect to the full (gathered) trainable buffers, in each
     buffer's reduce dtype: the "full" accumulation strategy sums these over micro-batches and
     reduce-scatters the sum once per step (`_reduce_full`)."""
@@ -279,8 +343,7 @@ def _full_gradients(fn: StepFunction, layout: Layout, shards, trainable, frozen_
                 out = fn.loss_fn(layout.assemble(leaves, local), micro)
         return _objective(fn, out, scale)
 
-    with _no_torch_checkpoint():
-        grads, extras = torch.func.grad(local_loss, has_aux=True)(tuple(fulls), local)
+    grads, extras = _grad(local_loss, tuple(fulls), local, seed)
     return [g.to(layout.buffers[k].reduce_dtype) for k, g in zip(trainable, grads)], local, extras
 
 

@@ -143,9 +143,45 @@ def test_hf_models_with_padding_train_like_single_process(local_world, arch, wor
     # The gradient is the single-process one to fp32 rounding (a per-rank mean instead of the
     # token-weighted one is 1e-2..1e-1 away).
     assert report["grad_error"] <= 1e-5, report
-    # After 5 AdamW steps both fs and DDP are rounding noise away from the reference, which
-    # AdamW magnifies where a gradient is ~0; their sums run in different orders.
-    assert report["worst_fs"] <= max(10.0 * report["worst_ddp"], 1e-4), report
+    # After 5 AdamW steps both are rounding noise away from the reference, which AdamW magnifies
+    # where a gradient is ~0 (GPT-2's key biases, whose true gradient is 0, carry the most).
+    # fs rounds as DDP does: its backward is the one loss.backward() runs (not torch.func.grad's
+    # create_graph backward, whose silu formula differs) and starts from 1 / (tokens over all
+    # ranks), as DDP's `* world / total` and the single-process token mean do. At world size 2
+    # that gives DDP's bits; at 4 the ranks' gradients are summed in another order
+    # (reduce-scatter vs DDP's all-reduce): measured fs/DDP 1.07 (Llama), 1.15 (GPT-2). Before
+    # both, Llama was 8.2x (2) and 3.7x (4) DDP's distance.
+    assert report["worst_fs"] <= 1.5 * report["worst_ddp"] + 1e-7, report
+
+
+def test_step_differentiates_as_backward_does():
+    """The step's gradient is the one `loss.backward()` computes, bit for bit (one rank): with a
+    plain mean, silu and mish included, whose backward formulas differ under `torch.func.grad`'s
+    create_graph=True; with a WeightedLoss, whose backward starts from 1 / (sum of weights) as
+    `(token sum / total).backward()` does."""
+
+    def body(mesh):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(7, 16), nn.SiLU(), nn.Linear(16, 16), nn.Mish(), nn.Linear(16, 3))
+        apply_fn, params = fs.functionalize(model)
+        x, y = torch.randn(32, 7), torch.randint(0, 3, (32,))
+        y[::3] = -100
+        n = (y != -100).sum()
+        same = {}
+        for weighted in (False, True):
+            def loss_fn(p, b):
+                total = F.cross_entropy(apply_fn(p, b[0]), b[1], ignore_index=-100, reduction="sum")
+                return fs.WeightedLoss(total / n, n) if weighted else total / n
+
+            step = fs.sharded_step(loss_fn, mesh, optimizer=fs.optim.sgd(0.1), schedule=fs.Schedule(trace=False))
+            grads = fs.gather(step.grad(step.init(params), (x, y))[0])
+            model.zero_grad()
+            (F.cross_entropy(model(x), y, ignore_index=-100, reduction="sum") / n).backward()
+            same[weighted] = {name: torch.equal(grads[name], p.grad) for name, p in model.named_parameters()}
+        return same
+
+    same = fs.testing.SimulatedWorld(1).run(body)[0]
+    assert all(same[False].values()) and all(same[True].values()), same
 
 
 # --- mixed precision ------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Rematerialization (activation checkpointing) as a pass over the traced step.
 
-`torch.utils.checkpoint` cannot run under `torch.func.grad` (which the step differentiates
-`loss_fn` with), so the step recomputes on its graph instead: for each chosen unit, the
+`torch.utils.checkpoint` cannot run under `torch.func`'s transforms (which the step runs
+`loss_fn` under), so the step recomputes on its graph instead: for each chosen unit, the
 forward nodes whose values the backward reads are copied, and the copies — computed from the
 values the unit keeps — are inserted right before the unit's first backward read, which now
 reads them. The originals then die during the forward, as a checkpointed block's activations
