@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Callable, Sequence, Union
+from collections.abc import Callable, Sequence
 
-__all__ = ["UnitPolicy", "BlockUnits", "Units", "units_by_block", "assign_units"]
+__all__ = ["BlockUnits", "UnitPolicy", "Units", "assign_units", "units_by_block"]
 
 _BLOCK_INDEX = re.compile(r"^(.*?(?:\[\d+\]|(?:^|\.)\d+(?=[.\[]|$)))")
 
@@ -102,7 +102,7 @@ class BlockUnits(UnitPolicy):
 
 
 # What `units=` accepts: a `UnitPolicy`, a function `path -> unit name`, or None for `BlockUnits()`.
-Units = Union[UnitPolicy, Callable[[str], str], None]
+Units = UnitPolicy | Callable[[str], str] | None
 
 
 def assign_units(policy: Units, paths: Sequence[str]) -> list[str]:
