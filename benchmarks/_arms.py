@@ -156,6 +156,11 @@ class FsArm:
             "all_gather_bytes": int(self.metrics["all_gather_bytes"]),
             "reduce_scatter_bytes": int(self.metrics["reduce_scatter_bytes"]),
             "all_reduce_bytes": 0,
+            # With resharding, the backward gathers again the units it reads (not an embedding
+            # or an input projection, whose gradients read the batch rather than their weights).
+            "backward_all_gather_bytes": sum(
+                e.nbytes for e in self.step_fn.schedule_events if e.event == "gather_issued" and e.phase == "backward"
+            ),
             "bytes_source": "fs step metrics (full padded buffers of the traced step's collectives)",
         }
 

@@ -144,10 +144,12 @@ def fsdp2_have_diffs(arms: dict) -> bool:
 
 
 def _bytes_targets(r: dict, where: str) -> list[dict]:
-    """fs moves 2Ψ (all-gathers, forward and backward) + Ψ (reduce-scatter) full-buffer elements
-    per step with resharding, Ψ + Ψ without, each in its dtype: fp32 (4 bytes) for the fp32 arms;
-    for `fs bf16` the all-gathers move bf16 (2 bytes) and the reduce-scatter fp32 (the reduce
-    dtype). Exact up to the flat buffers' padding."""
+    """fs moves Ψ (all-gathers in forward) + at most Ψ (all-gathers in backward: the units the
+    backward reads, which an embedding or an input projection is not) + Ψ (reduce-scatter)
+    full-buffer elements per step with resharding, Ψ + Ψ without, each in its dtype: fp32
+    (4 bytes) for the fp32 arms; for `fs bf16` the all-gathers move bf16 (2 bytes) and the
+    reduce-scatter fp32 (the reduce dtype). Exact (without resharding) or an upper bound (with),
+    up to the flat buffers' padding."""
     out = []
     psi = r["psi"]
     pad = (r["fs_layout"]["padded_bytes"] // 4) - psi  # padding elements per full copy
@@ -160,9 +162,11 @@ def _bytes_targets(r: dict, where: str) -> list[dict]:
         moved = arm["all_gather_bytes"] + arm["reduce_scatter_bytes"]
         exact = gathers * psi * gather_size + psi * 4
         padding = gathers * pad * gather_size + pad * 4
-        met = exact <= moved <= exact + padding
+        at_least = psi * gather_size + psi * 4  # one all-gather of every unit, one reduce-scatter
+        met = (at_least if gathers > 1 else exact) <= moved <= exact + padding
+        relation = "≤" if gathers > 1 else "="
         out.append({
-            "target": f"{name}: all-gather + reduce-scatter bytes = {formula} (+ padding)",
+            "target": f"{name}: all-gather + reduce-scatter bytes {relation} {formula} (+ padding)",
             "config": where,
             "value": moved / exact,
             "limit": 1.0,

@@ -36,12 +36,16 @@ SCHEDULES = {
     "eager reference": fs.Schedule(trace=False),
     "on demand, keep parameters (ZeRO-2 like)": fs.Schedule(prefetch=0, reshard_after_forward=False),
     "prefetch 1, reshard after forward (ZeRO-3)": fs.Schedule(prefetch=1, reshard_after_forward=True),
-    "prefetch 2, reshard all but 'rest'": fs.Schedule(prefetch=2, reshard_after_forward={"rest": False}),
+    # `input` holds the embeddings and the tied head, `output` the final norm: the backward reads
+    # both right after the forward, so resharding them would free them only to gather them again.
+    "prefetch 2, reshard all but 'input' and 'output'": fs.Schedule(
+        prefetch=2, reshard_after_forward={"input": False, "output": False}
+    ),
     # A schedule is a list of pass values: reorder, replace or drop the built-in ones, add your own.
     # (`fs.Schedule(prefetch=0, extra_passes=(issue_gathers_in_reverse_up_front,))` would just add it.)
-    "explicit pass list: keep 'rest', custom pass, then buckets": fs.Schedule(
+    "explicit pass list: keep 'input', custom pass, then buckets": fs.Schedule(
         passes=(
-            fs.schedule.reshard_after_forward({"rest": False}),
+            fs.schedule.reshard_after_forward({"input": False}),
             fs.schedule.prefetch(0),
             issue_gathers_in_reverse_up_front,
             fs.schedule.bucket_gathers(1 << 19),  # about two blocks a bucket, in the new issue order

@@ -57,12 +57,15 @@ from ._pytree import tree_unflatten as tree_unflatten
 from ._tree import ModuleParams as ModuleParams
 from . import schedule as schedule
 from .schedule import Schedule as Schedule
-from ._tree import units_by_block as units_by_block
+from ._units import BlockUnits as BlockUnits
+from ._units import UnitPolicy as UnitPolicy
+from ._units import units_by_block as units_by_block
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BaseMesh",
+    "BlockUnits",
     "BufferSpec",
     "Failure",
     "FailureKind",
@@ -84,6 +87,7 @@ __all__ = [
     "StepError",
     "StepState",
     "TraceError",
+    "UnitPolicy",
     "WeightedLoss",
     "WorkerPool",
     "all_reduce",

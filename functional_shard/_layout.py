@@ -14,17 +14,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import optree
 import torch
 
 from ._pytree import tree_flatten, tree_paths
-from ._tree import BUFFER, TRAINABLE, leaf_roles, units_by_block
+from ._tree import BUFFER, TRAINABLE, leaf_roles
+from ._units import Units, assign_units
 
 __all__ = ["BufferSpec", "Layout", "make_layout", "check_leaves_match", "LayoutError"]
-
-UnitPolicy = Callable[[str], str]
 
 
 class LayoutError(ValueError):
@@ -163,20 +162,23 @@ def _device_of(parts: list[torch.Tensor]) -> torch.device:
 
 
 def make_layout(
-    tree: Any, num_shards: int, *, units: UnitPolicy | None = None, precision: Any = None
+    tree: Any, num_shards: int, *, units: Units = None, precision: Any = None
 ) -> tuple[Layout, list[torch.Tensor]]:
     """The layout of `tree` over `num_shards` shards, and its leaves (flatten order).
 
     Arguments:
         tree: a pytree whose leaves are all tensors (a `ModuleParams` may sit anywhere in it).
         num_shards: size of the shard axis.
-        units: `path -> unit name`; default `units_by_block` (one unit per repeated block).
+        units: the unit policy: an `fs.UnitPolicy` (called once with the paths of the sharded
+            leaves, in flatten order) or a function `path -> unit name` (called leaf by leaf);
+            default `fs.BlockUnits()` (one unit per repeated block, `input` and `output` for
+            the leaves before and after the blocks).
         precision: an `fs.Precision` giving each leaf its gather and reduce dtypes (leaves of a
             unit that differ in them get buffers of their own); None: their own dtype.
 
-    Raises `LayoutError` naming the path of a leaf that is not a tensor.
+    Raises `LayoutError` naming the path of a leaf that is not a tensor, or that the policy
+    gives no unit name (a str).
     """
-    units = units or units_by_block
     leaves, treedef = tree_flatten(tree)
     paths = tree_paths(tree)
     roles = leaf_roles(tree)
@@ -196,15 +198,15 @@ def make_layout(
                 f"leaf {path!r} (shape {list(leaf.shape)}) is a quantized tensor ({leaf.dtype}): shard its "
                 f"dequantized values (.dequantize()) or keep it out of the parameter tree"
             )
+    local = [i for i, role in enumerate(roles) if role == BUFFER]
+    sharded = [i for i, role in enumerate(roles) if role != BUFFER]
+    try:
+        unit_of = dict(zip(sharded, assign_units(units, [paths[i] for i in sharded])))
+    except ValueError as error:
+        raise LayoutError(str(error)) from None
     groups: dict[tuple[str, bool, torch.dtype, torch.dtype, torch.dtype], list[int]] = {}
-    local = []
-    for i, (path, leaf, role) in enumerate(zip(paths, leaves, roles)):
-        if role == BUFFER:
-            local.append(i)
-            continue
-        unit = units(path)
-        if not isinstance(unit, str):
-            raise LayoutError(f"the unit policy returned {unit!r} for leaf {path!r}; it must return a str")
+    for i in sharded:
+        path, leaf, role, unit = paths[i], leaves[i], roles[i], unit_of[i]
         # Only floating leaves can be differentiated; others are carried like frozen ones.
         trainable = role == TRAINABLE and leaf.dtype.is_floating_point
         gather, reduce = precision.dtypes(path, unit, leaf.dtype) if precision is not None else (leaf.dtype, leaf.dtype)

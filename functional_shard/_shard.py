@@ -17,9 +17,10 @@ import optree
 import torch
 
 from ._collectives import AllReduceFlat, GatherFlat, ReduceScatterFlat, gather_bytes
-from ._layout import BufferSpec, Layout, LayoutError, UnitPolicy, make_layout
+from ._layout import BufferSpec, Layout, LayoutError, make_layout
 from ._mesh import BaseMesh
 from ._pytree import pytree_dataclass, static_field, tree_flatten
+from ._units import Units
 
 __all__ = ["Sharded", "shard", "gather", "reduce_scatter", "all_reduce", "gather_buffer", "gather_full"]
 
@@ -70,7 +71,7 @@ class Sharded:
         )
 
 
-def shard(tree: Any, mesh: BaseMesh, *, units: UnitPolicy | None = None) -> Sharded:
+def shard(tree: Any, mesh: BaseMesh, *, units: Units = None) -> Sharded:
     """Cut a pytree into flat per-unit buffers and keep this rank's slice of each.
 
     Arguments:
@@ -78,7 +79,8 @@ def shard(tree: Any, mesh: BaseMesh, *, units: UnitPolicy | None = None) -> Shar
             `ModuleParams` in it keeps its buffers whole (each rank its own) and marks frozen
             parameters.
         mesh: the mesh; slices are taken along its shard axis.
-        units: `path -> unit name` (default: one unit per repeated block, see `units_by_block`).
+        units: the unit policy, an `fs.UnitPolicy` or a function `path -> unit name` (default
+            `fs.BlockUnits()`: one unit per repeated block, `input` and `output` around them).
 
     Returns a `Sharded`; `gather` of it gives `tree` back exactly.
     """
@@ -135,7 +137,7 @@ def gather_full(spec: BufferSpec, shard: torch.Tensor, mesh: BaseMesh, *, differ
     return gather_bytes(shard if spec.gather_dtype == shard.dtype else shard.to(spec.gather_dtype), mesh, spec)
 
 
-def reduce_scatter(tree: Any, mesh: BaseMesh, *, units: UnitPolicy | None = None) -> Sharded:
+def reduce_scatter(tree: Any, mesh: BaseMesh, *, units: Units = None) -> Sharded:
     """Sum a pytree over every rank of the mesh; each rank keeps its slice of each flat buffer.
 
     Differentiable: the gradient is `gather` of the cotangent. Leaves a `ModuleParams` marks as

@@ -19,7 +19,7 @@ import contextlib
 
 from . import _reference
 from ._jit import Jit
-from ._layout import Layout, UnitPolicy, make_layout
+from ._layout import Layout, make_layout
 from ._mesh import BaseMesh
 from ._pytree import pytree_dataclass, static_field
 from ._checks import broadcast_from_rank0, check_leaves, check_same_values
@@ -27,6 +27,7 @@ from ._reference import StepError, StepFunction
 from .initialize import shard_from
 from .precision import Precision
 from ._shard import Sharded, _check_shards, shard_leaves
+from ._units import Units
 from .optim import Optimizer
 from .schedule import Schedule
 
@@ -97,7 +98,7 @@ class ShardedStep:
         *,
         optimizer: Optimizer,
         schedule: Schedule,
-        units: UnitPolicy | None,
+        units: Units,
         has_aux: bool,
         donate: bool = False,
         max_traces: int = 8,
@@ -433,7 +434,7 @@ def sharded_step(
     *,
     optimizer: Optimizer,
     schedule: Schedule | None = None,
-    units: UnitPolicy | None = None,
+    units: Units = None,
     has_aux: bool = False,
     donate: bool = False,
     max_traces: int = 8,
@@ -449,8 +450,10 @@ def sharded_step(
         mesh: from `fs.init_mesh`; parameters are sharded over its shard axis.
         optimizer: an `fs.optim` optimizer, e.g. `fs.optim.adamw(lr=1e-3)`.
         schedule: an `fs.Schedule` (default: traced, prefetch 1, reshard after forward).
-        units: `path -> unit name`: how parameters are grouped into units, one flat buffer
-            (hence one collective) each. Default `fs.units_by_block`: one per repeated block.
+        units: how parameters are grouped into units, one flat buffer (hence one collective)
+            each: an `fs.UnitPolicy` or a function `path -> unit name`. Default
+            `fs.BlockUnits()`: one per repeated block, `input` and `output` for the leaves
+            before and after the blocks.
         has_aux: `loss_fn` returns `(loss, aux)`; `aux` comes back in `metrics["aux"]`.
         donate: the step may update the state's parameter shards and optimizer state in place
             (as FSDP and `torch.optim` do) instead of copying them: about 12 bytes per

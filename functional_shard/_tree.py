@@ -1,8 +1,7 @@
-"""`ModuleParams` (the pytree a module becomes), the roles of its leaves, and the default unit policy."""
+"""`ModuleParams` (the pytree a module becomes) and the roles of its leaves."""
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator, Mapping
 from typing import Any, Callable
 
@@ -11,7 +10,7 @@ import torch
 
 from ._pytree import NAMESPACE, register_node, tree_flatten
 
-__all__ = ["ModuleParams", "TRAINABLE", "FROZEN", "BUFFER", "leaf_roles", "units_by_block"]
+__all__ = ["ModuleParams", "TRAINABLE", "FROZEN", "BUFFER", "leaf_roles"]
 
 # The three roles a leaf can play in a sharded step.
 TRAINABLE = "trainable"  # sharded, gathered, differentiated, updated by the optimizer
@@ -149,18 +148,3 @@ def leaf_roles(tree: Any) -> list[str]:
     )
     roles, _ = tree_flatten(role_tree)
     return roles
-
-
-_BLOCK_INDEX = re.compile(r"^(.*?(?:\[\d+\]|(?:^|\.)\d+(?=[.\[]|$)))")
-
-
-def units_by_block(path: str) -> str:
-    """The default unit policy: one unit per element of a repeated block container.
-
-    A leaf belongs to the unit named by its path up to the first integer index, whether it is a
-    sequence index (`layers[3].w` -> `layers[3]`) or a numbered module name as `nn.ModuleList`
-    and `nn.Sequential` make them (`blocks.3.attn.weight` -> `blocks.3`, `0.weight` -> `0`).
-    Leaves with no index (embeddings, final norm, head) share the unit `rest`.
-    """
-    match = _BLOCK_INDEX.match(path)
-    return match.group(1) if match else "rest"

@@ -7,7 +7,8 @@ library. Each one exercises a feature that sharding has to get right:
 * :class:`SmallCNN`: frozen parameters (``requires_grad=False``) and BatchNorm
   buffers (``running_mean``, ``running_var``, ``num_batches_tracked``).
 * :class:`GPT`: a weight tied between the token embedding and the output head,
-  so ``named_parameters()`` lists it once and ``state_dict()`` under two names.
+  so ``named_parameters()`` lists it once and ``state_dict()`` under two names
+  (``GPTConfig(tie_weights=False)`` unties them).
 
 All forwards are written to run under ``torch.func.functional_call`` and
 ``torch.func.grad``: no in-place updates of parameters, no ``.item()``, and no
@@ -124,6 +125,8 @@ class GPTConfig:
         dropout: dropout probability on attention weights and residual branches; 0 makes
             the forward deterministic.
         bias: whether Linear and LayerNorm layers have a bias.
+        tie_weights: whether the output head is the token embedding's weight (GPT-2's
+            weight tying); False gives the head a weight of its own.
     """
 
     vocab_size: int
@@ -133,6 +136,7 @@ class GPTConfig:
     d_model: int
     dropout: float = 0.0
     bias: bool = True
+    tie_weights: bool = True
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_head != 0:
@@ -206,7 +210,8 @@ class GPT(nn.Module):
     ``ln_f.{weight,bias}``.
 
     ``head.weight`` is the same Parameter as ``tok_emb.weight`` (weight tying): it is absent
-    from ``named_parameters()`` but present in ``state_dict()``. The head has no bias.
+    from ``named_parameters()`` but present in ``state_dict()``. With ``tie_weights=False``
+    it is a parameter of its own, listed last. The head has no bias.
     """
 
     def __init__(self, config: GPTConfig) -> None:
@@ -218,7 +223,8 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.d_model, bias=config.bias)
         self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
-        self.head.weight = self.tok_emb.weight
+        if config.tie_weights:
+            self.head.weight = self.tok_emb.weight
         self.apply(self._init_weights)
         # GPT-2 scales the residual output projections by 1/sqrt(2 n_layer) so the residual
         # stream's variance does not grow with depth.
@@ -239,7 +245,7 @@ class GPT(nn.Module):
         """Number of distinct parameter elements (the tied weight counted once).
 
         With ``non_embedding=True`` the position embedding is left out, as GPT-2 reports it;
-        the token embedding stays in because it doubles as the output head.
+        the token embedding stays in (tied, it doubles as the output head).
         """
         total = sum(parameter.numel() for parameter in self.parameters())
         if non_embedding:

@@ -3,7 +3,7 @@
 - resume is exact: N steps == N/2 steps, save, load in NEW processes, N/2 steps (torch.equal on
   every shard and optimizer tensor), traced and eager, AdamW and SGD with momentum;
 - reshard on load: a checkpoint saved at world size 4 loads at 1, 2, 3, on a 2x2 hybrid mesh and
-  with another unit policy, values exact, and training continues as single-process torch does;
+  with other unit policies (one unit per leaf, one `rest` unit), values exact, and training continues as single-process torch does;
 - safety: a rank SIGKILLed mid-save leaves the previous checkpoint loadable and the partial one
   refused, naming what is missing; pickles in place of checkpoint files are refused unexecuted;
   another model's checkpoint names the first differing leaf; torch.save of a state and DCP of
@@ -139,11 +139,14 @@ def train_and_save_at_4(mesh, path: str, kind: str):
     return full_state(state), state.step
 
 
-def load_anywhere(mesh, path: str, kind: str, axes=None, per_leaf_units: bool = False, save_to: str | None = None):
+def load_anywhere(mesh, path: str, kind: str, axes=None, units: str = "default", save_to: str | None = None):
     """Load, compare with the saved tensors, train 2 more steps next to single-process torch."""
     if axes is not None:
         mesh = fs.init_mesh(axes)
-    step, params = make_step(mesh, kind, trace=False, units=(lambda path: path) if per_leaf_units else None)
+    # Saved with the default units (input, blocks, output): load into one unit per leaf, or into
+    # the layout of before the input/output split (one `rest`).
+    policy = {"default": None, "per_leaf": lambda path: path, "rest": fs.units_by_block}[units]
+    step, params = make_step(mesh, kind, trace=False, units=policy)
     state = fs.checkpoint.load(path, step.init(params))
     saved = fs.checkpoint.read(path)
     loaded = full_state(state)
@@ -275,7 +278,8 @@ RESHARDS = {
     "world2": dict(world=2),
     "world3": dict(world=3),
     "hybrid2x2": dict(world=4, axes={"replicate": 2, "fsdp": 2}),
-    "world2-leaf-units": dict(world=2, per_leaf_units=True),
+    "world2-leaf-units": dict(world=2, units="per_leaf"),
+    "world2-rest-units": dict(world=2, units="rest"),
 }
 
 

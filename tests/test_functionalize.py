@@ -35,11 +35,11 @@ def test_frozen_parameters_and_buffers():
     assert fs.make_layout(params, num_shards=1)[0].roles.count("buffer") == len(params.buffers)
 
 
-def test_default_units_are_blocks_plus_rest():
+def test_default_units_are_input_blocks_output():
     model = GPT(GPTConfig(vocab_size=11, block_size=8, n_layer=3, n_head=2, d_model=8))
     _, params = fs.functionalize(model)
     layout, _ = fs.make_layout(params, num_shards=2)
-    assert layout.units == ("rest", "blocks.0", "blocks.1", "blocks.2")
+    assert layout.units == ("input", "blocks.0", "blocks.1", "blocks.2", "output")
     sequential = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
     _, params = fs.functionalize(sequential)
     assert fs.make_layout(params, num_shards=2)[0].units == ("0", "2")

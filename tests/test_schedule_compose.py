@@ -37,9 +37,9 @@ from test_jit import make_step, run_steps
 
 
 def test_schedule_expands_to_its_default_pass_list():
-    schedule = fs.Schedule(prefetch=2, reshard_after_forward={"rest": False}, bucket_bytes=1024)
+    schedule = fs.Schedule(prefetch=2, reshard_after_forward={"output": False}, bucket_bytes=1024)
     assert schedule.pass_list == (
-        reshard_after_forward({"rest": False}),
+        reshard_after_forward({"output": False}),
         prefetch(2),
         early_reduce_scatter(),
         bucket_gathers(1024),

@@ -90,6 +90,13 @@ class reshard_after_forward(Pass):
         return bool(self.reshard)
 
     def __call__(self, gm: fx.GraphModule, context: PassContext) -> fx.GraphModule:
+        if isinstance(self.reshard, _FrozenMapping):
+            # A unit name the step does not have (a stale `rest`, a typo) would be silently ignored.
+            gathered = [c for c in collectives(gm) if c.kind == "all_gather" and c.phase == "forward"]
+            known = list(dict.fromkeys(m.unit.split("@mb")[0] for c in gathered for m in c.members()))
+            unknown = [unit for unit, _ in self.reshard if unit not in known]
+            if unknown:
+                raise ValueError(f"reshard_after_forward: no unit named {unknown} in this step; its units are {known}")
         for c in collectives(gm):
             if c.kind == "all_gather" and c.phase == "forward" and self.reshards(c.unit):
                 _gather_again_for_backward(gm, c, forward_end(gm, after=c.wait))

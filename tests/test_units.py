@@ -1,0 +1,165 @@
+"""Unit policies (`fs.BlockUnits`, `fs.UnitPolicy`, `fs.units_by_block`, plain functions).
+
+- the default splits the leaves outside the blocks into `input` (before the first block, in
+  flatten order) and `output` (after the last); a run between two blocks is a unit of its own;
+  a tree without blocks is one unit `rest`;
+- `units=fs.units_by_block` keeps the layout of before (one `rest`), and per-leaf functions built
+  on it still work; a `UnitPolicy` sees every path at once; bad policies raise naming the leaf;
+- planned on an `AbstractMesh` (no process group): the default schedule keeps fewer units
+  alive at once with the default units than with `rest`, for the untied GPT and Hugging Face
+  Llama, and never more for tied models;
+- a unit name a step does not have (a stale `rest`) in `reshard_after_forward` raises.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import functional_shard as fs
+from functional_shard.models import GPT, GPTConfig
+
+SHAPE = dict(vocab_size=52, block_size=16, n_layer=3, n_head=2, d_model=16)
+
+
+def gpt_params(**config):
+    torch.manual_seed(0)
+    return fs.functionalize(GPT(GPTConfig(**{**SHAPE, **config})))
+
+
+@pytest.mark.parametrize(
+    "paths, expected",
+    [
+        (
+            ["tok_emb.weight", "pos_emb.weight", "blocks.0.w", "blocks.0.b", "blocks.1.w", "ln_f.weight", "head.weight"],
+            ["input", "input", "blocks.0", "blocks.0", "blocks.1", "output", "output"],
+        ),
+        (  # an encoder-decoder: the encoder's final norm sits between the two stacks
+            ["shared", "encoder.block.0.w", "encoder.block.1.w", "encoder.norm.w", "decoder.block.0.w", "decoder.norm.w", "lm_head"],
+            ["input", "encoder.block.0", "encoder.block.1", "after.encoder.block.1", "decoder.block.0", "output", "output"],
+        ),
+        (["layers[0].w", "layers[1].w", "norm"], ["layers[0]", "layers[1]", "output"]),
+        (["w", "b"], ["rest", "rest"]),  # no block at all: one unit
+        ([], []),
+    ],
+)
+def test_block_units_split_the_ends(paths, expected):
+    assert fs.BlockUnits()(tuple(paths)) == expected
+    assert [fs.units_by_block(p) for p in paths] == [u if u.split(".")[0] not in ("input", "output", "after") else "rest" for u in expected]
+
+
+def test_default_layouts_of_tied_and_untied_gpt():
+    _, tied = gpt_params()
+    layout, _ = fs.make_layout(tied, num_shards=2)
+    assert layout.units == ("input", "blocks.0", "blocks.1", "blocks.2", "output")
+    unit_of = {layout.paths[i]: b.unit for b in layout.buffers for i in b.leaves}
+    assert unit_of["tok_emb.weight"] == unit_of["pos_emb.weight"] == "input"  # the head's tied weight too
+    assert unit_of["ln_f.weight"] == "output" and "head.weight" not in unit_of
+    _, untied = gpt_params(tie_weights=False)
+    layout, _ = fs.make_layout(untied, num_shards=2)
+    unit_of = {layout.paths[i]: b.unit for b in layout.buffers for i in b.leaves}
+    assert unit_of["head.weight"] == unit_of["ln_f.bias"] == "output"
+    # the layout of before: one `rest` for the embeddings, final norm and head
+    assert fs.make_layout(untied, num_shards=2, units=fs.units_by_block)[0].units == ("rest", "blocks.0", "blocks.1", "blocks.2")
+
+
+def two_blocks_per_unit(path: str) -> str:
+    """The per-leaf policy of docs/units.md."""
+    unit = fs.units_by_block(path)
+    if unit == "rest":
+        return unit
+    return f"blocks.{int(unit.split('.')[1]) // 2}"
+
+
+@dataclasses.dataclass(frozen=True)
+class TwoBlocksPerUnit(fs.UnitPolicy):
+    """The same on top of the default, as a policy that sees every path."""
+
+    def __call__(self, paths):
+        return [f"blocks.{int(u.split('.')[1]) // 2}" if u.startswith("blocks.") else u for u in fs.BlockUnits()(paths)]
+
+
+def test_custom_policies_of_both_kinds():
+    _, params = gpt_params(n_layer=4)
+    assert fs.make_layout(params, num_shards=2, units=two_blocks_per_unit)[0].units == ("rest", "blocks.0", "blocks.1")
+    assert fs.make_layout(params, num_shards=2, units=TwoBlocksPerUnit())[0].units == ("input", "blocks.0", "blocks.1", "output")
+    assert fs.make_layout(params, num_shards=2, units=fs.BlockUnits())[0] == fs.make_layout(params, num_shards=2)[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class OneNameShort(fs.UnitPolicy):
+    def __call__(self, paths):
+        return ["all"] * (len(paths) - 1)
+
+
+def test_bad_policies_raise_naming_the_leaf():
+    _, params = gpt_params()
+    with pytest.raises(fs.LayoutError, match="returned 39 unit names for 40 leaves"):
+        fs.make_layout(params, num_shards=2, units=OneNameShort())
+    with pytest.raises(fs.LayoutError, match="returned 3 for leaf 'tok_emb.weight'"):
+        fs.make_layout(params, num_shards=2, units=lambda path: 3)
+    with pytest.raises(TypeError, match="fs.UnitPolicy"):
+        fs.make_layout(params, num_shards=2, units="blocks")
+
+
+# --- units alive, planned on an abstract mesh --------------------------------------------------------
+
+
+def gpt_problem(tie_weights: bool):
+    apply_fn, params = gpt_params(tie_weights=tie_weights)
+
+    def loss_fn(p, batch):
+        return F.cross_entropy(apply_fn(p, batch[0]).flatten(0, 1), batch[1].flatten())
+
+    tokens = torch.empty(2, 16, dtype=torch.long, device="meta")
+    return loss_fn, params, (tokens, tokens)
+
+
+def llama_problem():
+    pytest.importorskip("transformers")
+    from test_training import build_hf, token_sum
+
+    apply_fn, params = fs.functionalize(build_hf("llama"))
+
+    def loss_fn(p, batch):
+        ids, mask, labels = batch
+        return token_sum(apply_fn(p, input_ids=ids, attention_mask=mask, use_cache=False).logits, labels)
+
+    tokens = torch.empty(2, 12, dtype=torch.long, device="meta")
+    return loss_fn, params, (tokens, tokens, tokens)
+
+
+def planned(problem, units, schedule=None):
+    loss_fn, params, batch = problem
+    mesh = fs.analysis.AbstractMesh({"fsdp": 4})
+    analysis, compiled = fs.analysis.plan(loss_fn, params, batch, mesh=mesh, optimizer=fs.optim.adamw(1e-3), units=units, schedule=schedule)
+    return fs.schedule.max_units_alive(compiled.events), analysis
+
+
+@pytest.mark.parametrize("model", ["gpt untied", "llama", "gpt tied"])
+def test_default_units_keep_fewer_units_alive(model):
+    problem = {"gpt untied": lambda: gpt_problem(False), "llama": llama_problem, "gpt tied": lambda: gpt_problem(True)}[model]()
+    before, before_analysis = planned(problem, fs.units_by_block)
+    after, after_analysis = planned(problem, None)
+    assert before == 3  # `rest` from the embedding to the head, and two blocks (prefetch 1)
+    if model == "gpt tied":
+        # The tied weight is in `input`, read by the embedding and by the head: gathered through
+        # the whole forward, as `rest` was.
+        assert after == 3 and after_analysis.all_gather_bytes == before_analysis.all_gather_bytes
+    else:
+        # Embeddings freed before the first block, head gathered after the last one; and the
+        # backward does not gather the embeddings again (an embedding's gradient does not read it).
+        assert after == 2
+        assert after_analysis.all_gather_bytes < before_analysis.all_gather_bytes
+    assert after_analysis.memory.peak <= before_analysis.memory.peak
+
+
+def test_a_unit_the_step_does_not_have_in_reshard_after_forward_raises():
+    problem = gpt_problem(False)
+    with pytest.raises(ValueError, match=r"no unit named \['rest'\].*'input', 'blocks.0'"):
+        planned(problem, None, fs.Schedule(reshard_after_forward={"rest": False}))
+    alive, _ = planned(problem, None, fs.Schedule(reshard_after_forward={"output": False}))
+    assert alive == 2
