@@ -2,7 +2,7 @@
 schedule's measured peak, `fs.analysis.autotune` returns a schedule at least as fast as the
 default (measured) and within the budget (measured).
 
-    python benchmarks/autotune.py [--world-size 2] [--batch-size 4] [--rounds 5] [--steps 2]
+    python benchmarks/autotune.py [--world-size 2] [--batch-size 4] [--rounds 5] [--steps 2] [--budget-factor 1.0]
 
 Workload: compare.py's GPT (`_workloads.Workload("gpt")`: 8 layers, d_model 256, 4 heads,
 sequence 128, untied head), AdamW (lr 1e-3, weight decay 0.1), donate=True as compare.py's fs
@@ -10,7 +10,8 @@ arms, gloo, one thread per rank. Every rank:
 
 1. default: `fs.sharded_step(..., schedule=fs.Schedule())`, one warm-up step, then one step
    under `MemTracker` (the state and batch tracked as external memory, as the other memory
-   benchmarks do): its peak, the largest over ranks, is the budget;
+   benchmarks do): its peak, the largest over ranks, is the budget (times `--budget-factor`,
+   1 for the acceptance; more shows what the tuner does with room to spare);
 2. `fs.analysis.calibrate(mesh)`, then `fs.analysis.autotune(step, state, batch,
    budget_bytes=budget, machine=...)` with the default search space (54 schedules);
 3. the check, independent of the tuner's own measurements: a fresh step with the chosen schedule
@@ -60,7 +61,7 @@ def _peak(mesh, step, state, batch):
     return state, int(mesh.all_gather_world(torch.tensor([cpu_total(tracker)])).max())
 
 
-def run(world_size: int, batch_size: int, rounds: int, steps: int) -> dict:
+def run(world_size: int, batch_size: int, rounds: int, steps: int, budget_factor: float) -> dict:
     mesh = fs.init_mesh({"fsdp": world_size})
     torch.set_num_threads(1)
     workload = Workload("gpt")
@@ -79,7 +80,8 @@ def run(world_size: int, batch_size: int, rounds: int, steps: int) -> dict:
     load_before = os.getloadavg()
     default, default_state = make(fs.Schedule())
     default_state, _ = default(default_state, batch_at(0))  # traces
-    default_state, budget = _peak(mesh, default, default_state, batch_at(1))
+    default_state, default_peak = _peak(mesh, default, default_state, batch_at(1))
+    budget = int(default_peak * budget_factor)
 
     start = time.perf_counter()
     machine = fs.analysis.calibrate(mesh)
@@ -125,7 +127,8 @@ def report(out: dict, args) -> None:
         f"{args.world_size}, AdamW, donate=True, {out['threads']} thread per rank"
     )
     print(f"load average before {out['load_before'][0]:.2f}, after {out['load_after'][0]:.2f} (1 min)")
-    print(f"budget = the default schedule's measured peak: {budget / MIB:.2f} MiB ({budget} bytes)")
+    factor = "" if args.budget_factor == 1 else f" x {args.budget_factor:g}"
+    print(f"budget = the default schedule's measured peak{factor}: {budget / MIB:.2f} MiB ({budget} bytes)")
     print(f"calibration {out['calibration_s']:.1f} s, autotune {out['tuning_s']:.1f} s over {len(result.candidates)} schedules\n")
     print(result.table(limit=12))
     print(f"\n(+ {max(0, len(result.candidates) - 12)} more rows)\n")
@@ -155,8 +158,10 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--budget-factor", type=float, default=1.0)
     args = parser.parse_args()
-    out = fs.launch(run, world_size=args.world_size, args=(args.world_size, args.batch_size, args.rounds, args.steps), threads_per_rank=1)
+    run_args = (args.world_size, args.batch_size, args.rounds, args.steps, args.budget_factor)
+    out = fs.launch(run, world_size=args.world_size, args=run_args, threads_per_rank=1)
     report(out, args)
 
 

@@ -61,7 +61,7 @@ class SearchSpace:
         remat: fractions of the units rematerialized (`Schedule.remat`), taken in the order
             their forward ends. 0: none; 1: every unit.
         bucket_units: all-gather buckets (`Schedule.bucket_bytes`) as a multiple of the largest
-            unit's gathered bytes; 0: no buckets. 2 merges neighbouring units in pairs, and so on.
+            unit's gathered bytes; 0 (or 1): no buckets. 2 merges neighbouring units in pairs, and so on.
     """
 
     prefetch: tuple[int, ...] = (0, 1, 2)
