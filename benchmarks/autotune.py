@@ -14,8 +14,8 @@ arms, gloo, one thread per rank. Every rank:
    1 for the acceptance; more shows what the tuner does with room to spare);
 2. `fs.analysis.calibrate(mesh)`, then `fs.analysis.autotune(step, state, batch,
    budget_bytes=budget, machine=...)` with the default search space (54 schedules);
-3. the check, independent of the tuner's own measurements: a fresh step with the chosen schedule
-   and the default step train side by side, interleaved step by step (`--rounds` rounds of
+3. the check, independent of the tuner's own measurements: two fresh steps, one with the chosen
+   schedule and one with the default, train side by side, interleaved step by step (`--rounds` rounds of
    `--steps` steps each, the order alternating), times the slowest rank's; then one step of each
    under `MemTracker`. Met: the tuned median step time is at most the default's (or the tuner
    kept the default schedule: then both arms run the same schedule, and what the check shows
@@ -27,6 +27,7 @@ Timings on a shared machine are noisy: the load average is printed before and af
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import time
@@ -90,9 +91,15 @@ def run(world_size: int, batch_size: int, rounds: int, steps: int, budget_factor
     result = fs.analysis.autotune(default, default_state, batch_at(2), budget_bytes=budget, machine=machine)
     tuning_s = time.perf_counter() - start
 
-    tuned, tuned_state = make(result.schedule)
-    tuned_state, _ = tuned(tuned_state, batch_at(0))  # traces
-    arms = {"default": [default, default_state, []], "tuned": [tuned, tuned_state, []]}
+    # Both arms made afresh, side by side, after the tuning's garbage is collected: neither
+    # gets an older state or a warmer cache than the other.
+    del default, default_state
+    gc.collect()
+    arms = {}
+    for name, schedule in (("default", fs.Schedule()), ("tuned", result.schedule)):
+        step, state = make(schedule)
+        state, _ = step(state, batch_at(0))  # traces
+        arms[name] = [step, state, []]
     for r in range(rounds):
         order = ["default", "tuned"] if r % 2 == 0 else ["tuned", "default"]
         for s in range(steps):
