@@ -2,7 +2,7 @@
 schedule's measured peak, `fs.analysis.autotune` returns a schedule at least as fast as the
 default (measured) and within the budget (measured).
 
-    python benchmarks/autotune.py [--world-size 2] [--batch-size 4] [--rounds 5] [--steps 2] [--budget-factor 1.0]
+    python benchmarks/autotune.py [--world-size 2] [--batch-size 4] [--rounds 6] [--steps 2] [--budget-factor 1.0]
 
 Workload: compare.py's GPT (`_workloads.Workload("gpt")`: 8 layers, d_model 256, 4 heads,
 sequence 128, untied head), AdamW (lr 1e-3, weight decay 0.1), donate=True as compare.py's fs
@@ -15,11 +15,12 @@ arms, gloo, one thread per rank. Every rank:
 2. `fs.analysis.calibrate(mesh)`, then `fs.analysis.autotune(step, state, batch,
    budget_bytes=budget, machine=...)` with the default search space (54 schedules);
 3. the check, independent of the tuner's own measurements: two fresh steps, one with the chosen
-   schedule and one with the default, train side by side, interleaved step by step (`--rounds` rounds of
-   `--steps` steps each, the order alternating), times the slowest rank's; then one step of each
-   under `MemTracker`. Met: the tuned median step time is at most the default's (or the tuner
-   kept the default schedule: then both arms run the same schedule, and what the check shows
-   is the machine's noise), and its measured peak at most the budget.
+   schedule and one with the default, train side by side, interleaved step by step (`--rounds`
+   rounds of `--steps` steps each, the order alternating: an even number of rounds puts each
+   arm first equally often), times the slowest rank's; then one step of each under
+   `MemTracker`. Met: the tuned median step time is at most the default's (or the tuner kept
+   the default schedule: then both arms run the same schedule, and what the check shows is the
+   machine's noise), and its measured peak at most the budget.
 
 Timings on a shared machine are noisy: the load average is printed before and after.
 """
@@ -163,7 +164,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--budget-factor", type=float, default=1.0)
     args = parser.parse_args()
