@@ -116,7 +116,7 @@ def test_sign_test_counts_paired_wins():
 
 def test_autotune_refuses_what_it_cannot_search():
     mesh = fs.analysis.AbstractMesh({"fsdp": 2})
-    step, state, batch = (None, None, None)
+    state, batch = None, None  # refused before they are read
     eager = fs.sharded_step(lambda p, b: p["w"].sum(), mesh, optimizer=fs.optim.sgd(lr=0.1), schedule=fs.Schedule(trace=False))
     with pytest.raises(ValueError, match="traced fs.Schedule"):
         fs.analysis.autotune(eager, state, batch, budget_bytes=1 << 20)

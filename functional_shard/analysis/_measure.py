@@ -18,14 +18,15 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any, NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import torch
 
 from .._step import ShardedStep, sharded_step
 from ._calibrate import _everyone
 
-__all__ = ["Measurement", "with_schedule", "measure"]
+__all__ = ["Measurement", "measure", "with_schedule"]
 
 
 class Measurement(NamedTuple):
