@@ -133,7 +133,7 @@ class TuneCandidate(NamedTuple):
     measured_s: float | None  # median measured step time (slowest rank per run); None: not measured
     measured_peak: int | None  # measured peak bytes (MemTracker), largest over ranks; None: not measured
     times_s: tuple  # every timed run's slowest-rank time (empty: not measured)
-    verdict: str  # "chosen", "reference", or why it was not chosen
+    verdict: str  # "chosen", or why it was not chosen
 
 
 class TuneResult(NamedTuple):
@@ -211,7 +211,7 @@ def autotune(
         budget_bytes: the most bytes one rank may hold during a step (the state included, as
             `fs.analysis.analyze` and MemTracker count them).
         machine: the `Machine` the simulator predicts with; None calibrates this mesh
-            (`fs.analysis.calibrate`, a collective, about ten seconds).
+            (`fs.analysis.calibrate`, a collective: seconds).
         space: the schedules to try (`SearchSpace`).
         confirm: how many of the fastest predicted schedules that fit are measured, besides
             the step's own.
@@ -269,7 +269,8 @@ def autotune(
             f"more rematerialization (SearchSpace(remat=(1.0,)))"
         )
     ranked = sorted(fits, key=lambda i: (predicted[i][0], i))
-    measured_order = ranked[:confirm] + ([0] if 0 not in ranked[:confirm] else [])
+    # The step's own schedule is the reference: measured even when it does not fit.
+    measured_order = ranked[:confirm] + ([0] if 0 not in ranked[:confirm] and 0 not in errors else [])
     inputs = unscheduled.graph_inputs(state, batch)
     for i in measured_order:
         mesh.check_same_sequence(f"the collectives of the step with {labelled[i][1]!r}", scheduled[i].sequence)
@@ -305,8 +306,8 @@ def _choose(step, state, batch, machine, labelled, predicted, measured, budget, 
     Returns `(its index, {index: own lowering's predicted peak}, {index: (wins, pairs, p)} of the
     schedules that fit but did not beat the step's own convincingly)`."""
     fits = [i for i, m in measured.items() if predicted[i][1] <= budget and m.peak_bytes <= budget]
-    evidence = {i: _sign_test(measured[i].times_s, measured[0].times_s) for i in fits if i != 0}
     incumbent = 0 in fits
+    evidence = {i: _sign_test(measured[i].times_s, measured[0].times_s) for i in fits if i != 0 and incumbent}
 
     def convincing(i: int) -> bool:
         return not incumbent or i == 0 or (evidence[i][2] <= 1 - confidence and measured[i].step_s < measured[0].step_s)
