@@ -96,6 +96,25 @@ def test_peak_memory_parts_and_fit():
     assert analysis.fits(memory.peak) and not analysis.fits(memory.peak - 1)
 
 
+def test_bucketed_gathers_are_counted():
+    """The nodes `bucket_gathers` creates (the bucket's all-gather, its members' copies) get fake
+    values like every traced node, so the bucket's buffers count: gathering every unit up front in
+    one bucket and keeping it holds at least what keeping every unit does."""
+    apply_fn, params = meta_gpt()
+    peaks = {}
+    for bucket_bytes in (0, 1 << 30):
+        schedule = fs.Schedule(reshard_after_forward=False, bucket_bytes=bucket_bytes)
+        analysis, compiled = fs.analysis.plan(
+            gpt_loss(apply_fn), params, meta_batch(), mesh=fs.analysis.AbstractMesh({"fsdp": 2}), optimizer=fs.optim.adamw(lr=1e-3), schedule=schedule
+        )
+        missing = [n.name for n in compiled.graph_module.graph.nodes if n.op == "call_function" and "val" not in n.meta]
+        assert not missing, missing
+        peaks[bucket_bytes] = analysis.memory.peak
+        gathered = sum(b.nbytes for b in compiled.key.layout.buffers)
+        assert analysis.memory.breakdown.gathered >= gathered  # kept from forward to backward: all alive at the peak
+    assert peaks[1 << 30] >= peaks[0]
+
+
 def test_abstract_mesh_refuses_real_tensors():
     mesh = fs.analysis.AbstractMesh({"replicate": 2, "fsdp": 4})
     assert (mesh.world_size, mesh.num_shards) == (8, 4)

@@ -2,11 +2,16 @@
 
     compiled = step.lower(state, batch)
     report = fs.analysis.analyze(compiled)      # FLOPs per unit, collective bytes, peak memory
+    result = fs.analysis.autotune(step, state, batch, budget_bytes=8 << 30)   # the fastest schedule that fits
 """
 
 from ._abstract import AbstractMesh as AbstractMesh
 from ._abstract import abstract_state as abstract_state
 from ._abstract import plan as plan
+from ._autotune import SearchSpace as SearchSpace
+from ._autotune import TuneCandidate as TuneCandidate
+from ._autotune import TuneResult as TuneResult
+from ._autotune import autotune as autotune
 from ._analyze import Analysis as Analysis
 from ._calibrate import calibrate as calibrate
 from ._machine import Machine as Machine
@@ -26,4 +31,4 @@ from ._timeline import plot_gantt as plot_gantt
 from ._timeline import profile as profile
 from ._timeline import save_chrome_trace as save_chrome_trace
 
-__all__ = ["AbstractMesh", "Analysis", "CollectiveCost", "MemoryBreakdown", "Machine", "MemoryEstimate", "Profile", "Simulation", "TraceEvent", "UnitCost", "abstract_state", "analyze", "calibrate", "chrome_trace", "h100_sxm", "load_machine", "plan", "plot_gantt", "profile", "save_chrome_trace", "simulate"]
+__all__ = ["AbstractMesh", "Analysis", "SearchSpace", "TuneCandidate", "TuneResult", "autotune", "CollectiveCost", "MemoryBreakdown", "Machine", "MemoryEstimate", "Profile", "Simulation", "TraceEvent", "UnitCost", "abstract_state", "analyze", "calibrate", "chrome_trace", "h100_sxm", "load_machine", "plan", "plot_gantt", "profile", "save_chrome_trace", "simulate"]

@@ -14,6 +14,7 @@ from typing import Iterable, NamedTuple
 
 import torch
 from torch import fx
+from torch._subclasses.fake_tensor import FakeTensor
 
 
 _C10D = torch.ops._c10d_functional
@@ -138,6 +139,35 @@ def collectives(gm: fx.GraphModule) -> list[Collective]:
             raise RuntimeError(f"collective {node.name} must have exactly one wait_tensor user; has {len(waits)}")
         out.append(Collective(node, waits[0], tag_of(node) or CollectiveTag.for_node(node)))
     return out
+
+
+def fill_values(gm: fx.GraphModule) -> None:
+    """Give every computing node that a pass created without one a `meta["val"]` (the fake
+    tensor tracing gives every node), computed in graph order from its inputs' values under
+    their fake mode. The analyses read shapes, bytes and storages from it: a bucket's
+    gathered buffer or its members' copies without one would count for nothing. Only torch
+    operators (and `getitem`) are run, never a Python function a pass inserted (it may have
+    effects); a node whose value cannot be computed keeps none."""
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or "val" in node.meta:
+            continue
+        if not isinstance(node.target, torch._ops.OpOverload) and node.target is not operator.getitem:
+            continue
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
+        mode = next((v.fake_mode for v in _tensors((args, kwargs)) if isinstance(v, FakeTensor)), None)
+        if mode is None:
+            continue
+        try:
+            with mode:
+                node.meta["val"] = node.target(*args, **kwargs)
+        except Exception:  # noqa: BLE001, S112 - a value the analyses go without, as before
+            continue
+
+
+def _tensors(tree) -> list:
+    found: list = []
+    fx.node.map_aggregate(tree, lambda v: found.append(v) if isinstance(v, torch.Tensor) else None)
+    return found
 
 
 def positions(gm: fx.GraphModule) -> dict[fx.Node, int]:

@@ -10,6 +10,7 @@ from torch import fx
 from ._analysis import analyze, in_flight_intervals
 from . import _passes
 from ._context import Pass, PassContext, as_pass
+from ._graph import fill_values
 from ._passes import _FrozenMapping
 from ._remat import rematerialize
 
@@ -190,7 +191,8 @@ def apply_schedule(
     recompile it.
 
     Every pass gets `context`. After each pass the graph is linted (a pass that puts a value
-    after one of its readers fails here). At the end, if `context.max_collectives_in_flight`
+    after one of its readers fails here), and the nodes it created get the fake values
+    (`meta["val"]`) tracing gives every node, which the analyses read. At the end, if `context.max_collectives_in_flight`
     is a number and the graph has more collectives in flight at once, this raises ValueError
     rather than appending `limit_in_flight()` itself: a pass appended behind the user's back
     could undo what their last pass did, and an error names the fix (end the list with
@@ -201,6 +203,7 @@ def apply_schedule(
         result = pass_(gm, context)
         gm = gm if result is None else result
         gm.graph.lint()
+        fill_values(gm)
     _check_in_flight(gm, passes, context)
     gm.recompile()
     return gm
