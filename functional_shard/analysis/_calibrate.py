@@ -18,8 +18,10 @@ Every rank runs the same measurements, at the same time (it is a collective):
   squares (`Machine.collective_seconds`);
 - overlap: a 16 MiB all-gather issued as a traced graph issues it (the functional
   collective, waited later) while the rank multiplies matrices for about as long: the time
-  lost against perfect overlap, over the shorter of the two, is `overlap_penalty`; the time
-  the issuing call takes is `issue_overhead_s`.
+  lost against perfect overlap, over the shorter of the two, is `overlap_penalty`;
+- issuing: the time the call that issues a functional all-gather takes before it returns,
+  at the sizes of the collective sweep, fitted as `issue_overhead_s` + `issue_seconds_per_byte`
+  × full bytes (the call allocates the output and hands the input to the communication thread).
 
 Compute constants are averaged over ranks, communication constants are the slowest rank's.
 Timings are medians of repeats; on a shared machine they carry its noise.
@@ -165,7 +167,8 @@ def calibrate(mesh, *, path: str | None = None, name: str | None = None, quick: 
             points.append((share * full, seconds))
         latency[kind], per_byte = _fit(points)
         bus[kind] = 1.0 / per_byte
-    issue, penalty = _overlap(mesh, device, 1 << 22 if quick else 1 << 24)
+    _, penalty = _overlap(mesh, device, 1 << 22 if quick else 1 << 24)
+    issue_fixed, issue_per_byte = _issue_cost(mesh, device, sizes, 3 if quick else 7)
     machine = Machine(
         name=name or f"calibrated: {mesh.describe()}, {torch.get_num_threads()} threads per rank",
         matmul_flops=_average(mesh, matmul),
@@ -174,7 +177,8 @@ def calibrate(mesh, *, path: str | None = None, name: str | None = None, quick: 
         view_overhead_s=_mean(mesh, view_overhead),
         collective_latency_s=latency,
         collective_bandwidth=bus,
-        issue_overhead_s=_slowest(mesh, issue),
+        issue_overhead_s=issue_fixed,
+        issue_seconds_per_byte=issue_per_byte,
         overlap_penalty=min(1.0, max(0.0, _slowest(mesh, penalty))),
         op_seconds={kind: _average_seconds(mesh, points) for kind, points in op_seconds.items()},
         step_overhead_s=_slowest(mesh, _step_overhead(mesh, 5 if quick else 20)),
@@ -243,6 +247,27 @@ def _step_overhead(mesh, repeat: int) -> float:
             graph(*inputs)
             alone.append(time.perf_counter() - start)
     return max(0.0, statistics.median(whole) - statistics.median(alone))
+
+
+def _issue_cost(mesh, device, sizes, repeat: int) -> tuple[float, float]:
+    """(fixed seconds, seconds per full byte) of issuing a functional all-gather, fitted over
+    `sizes` on the slowest rank's medians."""
+    if not dist.is_initialized() or mesh.world_size == 1:
+        return 0.0, 0.0
+    world, group = dist.get_world_size(), dist.group.WORLD.group_name
+    points = []
+    for full in sizes:
+        shard = torch.ones(max(1, full // 4 // world), device=device)
+        times = []
+        for _ in range(repeat):
+            mesh.all_reduce_flat(torch.zeros(1, device=device))
+            start = time.perf_counter()
+            work = torch.ops._c10d_functional.all_gather_into_tensor(shard, world, group)
+            times.append(time.perf_counter() - start)
+            torch.ops._c10d_functional.wait_tensor(work)
+        points.append((float(full), _slowest(mesh, statistics.median(times))))
+    fixed, per_byte = _fit(points)
+    return fixed, per_byte if per_byte > 1e-14 else 0.0
 
 
 def _overlap(mesh, device, full_bytes: int) -> tuple[float, float]:

@@ -63,7 +63,8 @@ class Machine:
         collective_latency_s: kind -> alpha (seconds), kinds "all_gather",
             "reduce_scatter", "all_reduce".
         collective_bandwidth: kind -> bus bandwidth (bytes/s).
-        issue_overhead_s: time the compute thread spends issuing a collective.
+        issue_overhead_s: time the compute thread spends issuing a collective (fixed part).
+        issue_seconds_per_byte: and per byte of the collective's full buffer.
         overlap_penalty: the fraction of the time a collective and computation overlap that
             is lost anyway (0: perfect overlap, as with separate copy engines; 1: none, as
             when the communication thread takes the cores the computation needs).
@@ -85,6 +86,7 @@ class Machine:
     overlap_penalty: float = 0.0
     op_seconds: dict = dataclasses.field(default_factory=dict)
     step_overhead_s: float = 0.0
+    issue_seconds_per_byte: float = 0.0
 
     def __post_init__(self) -> None:
         curves = {}

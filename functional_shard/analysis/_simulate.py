@@ -6,7 +6,8 @@ The graph is walked in its order, as the step runs it:
   agreement on what runs, guards, packing);
 - a computing node runs on the compute stream for `machine.compute_seconds(...)` of its
   FLOPs, bytes, kernel class and elements;
-- a collective's issue costs the compute stream `issue_overhead_s`, and queues the collective
+- a collective's issue costs the compute stream `issue_overhead_s` plus
+  `issue_seconds_per_byte` × its bytes, and queues the collective
   on the communication stream, which runs one collective at a time in issue order (what the
   schedules guarantee: one collective in flight) for `machine.collective_seconds(...)`;
 - a wait blocks the compute stream until its collective has finished: the blocked time is
@@ -74,7 +75,7 @@ def simulate(compiled, machine: Machine, *, world_size: int | None = None) -> Si
         phase = roles.phase[node]
         if node in collectives:
             c = collectives[node]
-            t += machine.issue_overhead_s
+            t += machine.issue_overhead_s + machine.issue_seconds_per_byte * c.nbytes
             group = world if c.kind == "all_reduce" else _group(c, world)
             duration = machine.collective_seconds(c.kind, c.nbytes, group)
             start = max(t, comm_free)
