@@ -29,6 +29,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 import functional_shard as fs
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _gpt import cpu_total  # noqa: E402
 
 SCHEDULES = {
     "default": fs.Schedule(),
@@ -79,13 +80,6 @@ def build(model: str, rank: int):
     return loss_fn, params, workload.batch(BATCH[model], seed=0, rank=rank, step=0)
 
 
-def _cpu_total(tracker: MemTracker) -> int:
-    for device, categories in tracker.get_tracker_snapshot("peak").items():
-        if torch.device(device).type == "cpu":
-            return int(next(v for k, v in categories.items() if str(getattr(k, "value", k)) == "Total"))
-    return 0
-
-
 def run_world(mesh, models: list[str], schedules: list[str], steps: int, quick: bool) -> list[dict]:
     """Every rank: calibrate once, then predict and measure every (model, schedule)."""
     torch.set_num_threads(1)
@@ -117,7 +111,7 @@ def run_world(mesh, models: list[str], schedules: list[str], steps: int, quick: 
             mesh.all_reduce_flat(torch.zeros(1))
             with tracker:
                 states[name], _ = steps_of[name](states[name], batch)
-            measured_peak = max(mesh.all_gather_world(torch.tensor([_cpu_total(tracker)])).tolist())
+            measured_peak = max(mesh.all_gather_world(torch.tensor([cpu_total(tracker)])).tolist())
             simulation = simulations[name]
             rows.append(
                 dict(
