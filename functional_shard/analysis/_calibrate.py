@@ -29,6 +29,7 @@ Timings are medians of repeats; on a shared machine they carry its noise.
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 
@@ -63,46 +64,43 @@ def _loop_seconds(fn, min_loop_s: float, repeat: int = 3) -> float:
     return _median_seconds(lambda: [fn() for _ in range(calls)], repeat) / calls
 
 
-def _pool(numel: int, device, pool_bytes: int) -> list[torch.Tensor]:
-    """Distinct random tensors of `numel` elements, together at least `pool_bytes`: cycling
-    through them keeps the inputs out of the caches, as most of a step's are."""
-    return [torch.randn(numel, device=device) for _ in range(max(2, pool_bytes // (4 * numel)))]
+def _pool(numel: int, device, pool_bytes: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(x, y, y > 0) triples of distinct random tensors of `numel` elements, together at least
+    `pool_bytes`: cycling through them keeps the inputs out of the caches, as most of a step's
+    are. The mask is made here: it is an input of the step's `where`, not part of its work."""
+    count = max(2, pool_bytes // (4 * numel))
+    tensors = [torch.randn(numel, device=device) for _ in range(count)]
+    return [(x, y, _aten.gt.Scalar(y, 0.0)) for x, y in zip(tensors, tensors[1:] + tensors[:1])]
 
 
-def _class_operations():
-    """kernel class -> functions (x, y) -> result of representative operations."""
-    def rows(x):
-        return x.view(-1, min(x.numel(), 256)) if x.numel() % min(x.numel(), 256) == 0 else x.view(1, -1)
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """`x` as rows of 256 elements (one row if its size is not a multiple)."""
+    width = min(x.numel(), 256)
+    return x.view(-1, width) if x.numel() % width == 0 else x.view(1, -1)
 
-    return {
-        "elementwise": (lambda x, y: _aten.mul.Tensor(x, y),),
-        "transcendental": (lambda x, y: _aten.exp.default(x), lambda x, y: _aten.gelu_backward.default(x, y)),
-        "reduction": (lambda x, y: _aten.sum.dim_IntList(rows(x), [-1]),),
-        "normalization": (lambda x, y: _aten.native_layer_norm.default(rows(x), [rows(x).shape[-1]], None, None, 1e-5),),
-        "copy": (lambda x, y: _aten.clone.default(x),),
-        "select": (lambda x, y: _aten.where.self(_aten.gt.Scalar(y, 0.0), x, y),),
-    }
+
+# kernel class -> representative operations (x, y, mask) -> result
+_CLASS_OPERATIONS = {
+    "elementwise": (lambda x, y, mask: _aten.mul.Tensor(x, y),),
+    "transcendental": (lambda x, y, mask: _aten.exp.default(x), lambda x, y, mask: _aten.gelu_backward.default(x, y)),
+    "reduction": (lambda x, y, mask: _aten.sum.dim_IntList(_rows(x), [-1]),),
+    "normalization": (lambda x, y, mask: _aten.native_layer_norm.default(_rows(x), [_rows(x).shape[-1]], None, None, 1e-5),),
+    "copy": (lambda x, y, mask: _aten.clone.default(x),),
+    "select": (lambda x, y, mask: _aten.where.self(mask, x, y),),
+}
 
 
 def _op_seconds(mesh, device, sizes, min_loop_s: float, pool_bytes: int) -> dict:
     """kernel class -> ((elements, seconds per call), ...), this rank's."""
-    curves: dict = {kind: [] for kind in _class_operations()}
+    curves: dict = {kind: [] for kind in _CLASS_OPERATIONS}
     for numel in sizes:
         pool = _pool(numel, device, pool_bytes)
-        masks = {id(y): _aten.gt.Scalar(y, 0.0) for y in pool}
-        for kind, operations in _class_operations().items():
+        for kind, operations in _CLASS_OPERATIONS.items():
             seconds = []
             for op in operations:
-                if kind == "select":  # the mask is an input of the step's `where`, not its work
-                    op = lambda x, y: _aten.where.self(masks[id(y)], x, y)  # noqa: E731
-                index = [0]
-
-                def call(op=op):
-                    index[0] = (index[0] + 1) % len(pool)
-                    op(pool[index[0]], pool[index[0] - 1])
-
+                inputs = itertools.cycle(pool)
                 mesh.all_reduce_flat(torch.zeros(1, device=device))  # every rank measures at once
-                seconds.append(_loop_seconds(call, min_loop_s))
+                seconds.append(_loop_seconds(lambda op=op, inputs=inputs: op(*next(inputs)), min_loop_s))
             curves[kind].append((numel, statistics.mean(seconds)))
     return curves
 
@@ -167,7 +165,7 @@ def calibrate(mesh, *, path: str | None = None, name: str | None = None, quick: 
             points.append((share * full, seconds))
         latency[kind], per_byte = _fit(points)
         bus[kind] = 1.0 / per_byte
-    _, penalty = _overlap(mesh, device, 1 << 22 if quick else 1 << 24)
+    penalty = _overlap(mesh, device, 1 << 22 if quick else 1 << 24)
     issue_fixed, issue_per_byte = _issue_cost(mesh, device, sizes, 3 if quick else 7)
     machine = Machine(
         name=name or f"calibrated: {mesh.describe()}, {torch.get_num_threads()} threads per rank",
@@ -270,10 +268,10 @@ def _issue_cost(mesh, device, sizes, repeat: int) -> tuple[float, float]:
     return fixed, per_byte if per_byte > 1e-14 else 0.0
 
 
-def _overlap(mesh, device, full_bytes: int) -> tuple[float, float]:
-    """(seconds to issue an asynchronous all-gather, overlap penalty) on this rank."""
+def _overlap(mesh, device, full_bytes: int) -> float:
+    """The overlap penalty on this rank (`Machine.overlap_penalty`)."""
     if not dist.is_initialized() or mesh.world_size == 1:
-        return 0.0, 0.0
+        return 0.0
     world = dist.get_world_size()
     group = dist.group.WORLD.group_name
     shard = torch.ones(full_bytes // 4 // world, device=device)
@@ -294,16 +292,13 @@ def _overlap(mesh, device, full_bytes: int) -> tuple[float, float]:
             a @ a
 
     compute_s = _median_seconds(compute, 3)
-    issues, boths = [], []
+    boths = []
     for _ in range(3):
         mesh.all_reduce_flat(torch.zeros(1, device=device))
         start = time.perf_counter()
         work = issue()
-        issued = time.perf_counter()
         compute()
         torch.ops._c10d_functional.wait_tensor(work)
         boths.append(time.perf_counter() - start)
-        issues.append(issued - start)
     both = statistics.median(boths)
-    penalty = (both - max(comm, compute_s)) / min(comm, compute_s)
-    return statistics.median(issues), penalty
+    return (both - max(comm, compute_s)) / min(comm, compute_s)

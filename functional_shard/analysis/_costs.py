@@ -126,4 +126,4 @@ def node_cost(node: fx.Node) -> NodeCost:
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
         flops = int(flop_registry[packet](*args, **kwargs, out_val=node.meta.get("val")))
     numel = max((t.numel() for t in (*inputs, *outputs)), default=0)
-    return NodeCost(flops, traffic, flops > 0, numel, "matmul" if flops > 0 else op_class(node))
+    return NodeCost(flops, traffic, flops > 0, numel, op_class(node))

@@ -21,23 +21,9 @@ import math
 __all__ = ["Machine", "h100_sxm", "load_machine"]
 
 
-def _interpolate_seconds(points: tuple, x: float) -> float:
-    """Seconds at size `x` from measured (size, seconds) points: log-log interpolation between
-    them, the smallest size's time below them (the dispatch floor), proportional beyond them."""
-    if x <= points[0][0]:
-        return points[0][1]
-    if x >= points[-1][0]:
-        return points[-1][1] * x / points[-1][0]
-    sizes = [p[0] for p in points]
-    i = bisect.bisect_right(sizes, x)
-    (x0, y0), (x1, y1) = points[i - 1], points[i]
-    w = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
-    return math.exp(math.log(y0) + w * (math.log(y1) - math.log(y0)))
-
-
-def _interpolate(points: tuple, x: float) -> float:
-    """Piecewise log-linear interpolation in `points` ((size, value), sorted by size); flat
-    beyond the ends."""
+def _interpolate(points: tuple, x: float, *, log_values: bool = False) -> float:
+    """The value at size `x` from (size, value) points sorted by size: interpolated linearly in
+    log(size) (and in log(value) with `log_values`); the end points' values beyond the ends."""
     if len(points) == 1 or x <= points[0][0]:
         return points[0][1]
     if x >= points[-1][0]:
@@ -46,7 +32,17 @@ def _interpolate(points: tuple, x: float) -> float:
     i = bisect.bisect_right(sizes, x)
     (x0, y0), (x1, y1) = points[i - 1], points[i]
     w = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
+    if log_values:
+        return math.exp(math.log(y0) + w * (math.log(y1) - math.log(y0)))
     return y0 + w * (y1 - y0)
+
+
+def _interpolate_seconds(points: tuple, x: float) -> float:
+    """Seconds at size `x` from measured (size, seconds) points: log-log interpolation between
+    them, the smallest size's time below them (the dispatch floor), proportional beyond them."""
+    if x > points[-1][0]:
+        return points[-1][1] * x / points[-1][0]
+    return _interpolate(points, x, log_values=True)
 
 
 @dataclasses.dataclass(frozen=True)
