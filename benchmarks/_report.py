@@ -294,7 +294,21 @@ def render_header(result: dict) -> str:
         f"World sizes {c['world_sizes']}, gloo, 1 thread per rank; {c['steps']} timed steps per arm after {c['warmup']} untimed; "
         f"correctness after {c['correctness_steps']} steps; AdamW lr {c['hyper']['lr']}, weight decay "
         f"{c['hyper']['weight_decay']}; fs donate={result['fs_donate']}; FSDP2 prefetch depth {c['fsdp2_prefetch_depth']}.",
+        *_run_lines(result),
     ])
+
+
+def _run_lines(result: dict) -> list[str]:
+    """For a merged result whose runs differ in steps or commit: what each run was."""
+    runs = result.get("runs", [])
+    keys = ("steps", "warmup", "correctness_steps", "commit")
+    if len({tuple(r[k] for k in keys) for r in runs}) <= 1:
+        return []
+    return ["Runs:"] + [
+        f"- `{r['command']}` (world sizes {r['world_sizes']}): {r['steps']} timed steps per arm after {r['warmup']} "
+        f"untimed, correctness after {r['correctness_steps']}; commit {r['commit'][:10]}; {r['elapsed_s'] / 60:.1f} min."
+        for r in runs
+    ]
 
 
 def render_markdown(result: dict) -> str:

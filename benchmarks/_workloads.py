@@ -17,7 +17,9 @@ from torch import nn
 from functional_shard.data import CharTokenizer, batches, load_text
 from functional_shard.models import GPT, MLP, GPTConfig
 
-MODELS = ("mlp", "gpt")
+MODELS = ("mlp", "gpt", "gpt-large")
+# The full run's default: the two small models (gpt-large is the scale run, ~10 min at world size 2).
+DEFAULT_MODELS = ("mlp", "gpt")
 
 # MLP: `functional_shard.models.MLP(256, 256, 256, n_blocks=8)` (blocks 256 -> 512 -> 256).
 MLP_WIDTH = 256
@@ -28,6 +30,10 @@ GPT_LAYERS = 8
 GPT_HEADS = 4
 GPT_WIDTH = 256
 GPT_SEQUENCE = 128
+# gpt-large: the same GPT at d_model 1024, 16 heads: 8 x 12 x 1024^2 + embeddings, about 101M
+# parameters (the scale point: >= 100M).
+GPT_LARGE_WIDTH = 1024
+GPT_LARGE_HEADS = 16
 
 
 @dataclass(frozen=True)
@@ -41,13 +47,14 @@ class Workload:
         torch.manual_seed(seed)
         if self.name == "mlp":
             return MLP(MLP_WIDTH, MLP_WIDTH, MLP_WIDTH, n_blocks=MLP_BLOCKS)
-        if self.name == "gpt":
+        if self.name in ("gpt", "gpt-large"):
+            large = self.name == "gpt-large"
             config = GPTConfig(
                 vocab_size=_tokenizer().vocab_size,
                 block_size=GPT_SEQUENCE,
                 n_layer=GPT_LAYERS,
-                n_head=GPT_HEADS,
-                d_model=GPT_WIDTH,
+                n_head=GPT_LARGE_HEADS if large else GPT_HEADS,
+                d_model=GPT_LARGE_WIDTH if large else GPT_WIDTH,
             )
             model = GPT(config)
             # Untied: the output head gets its own copy of the token embedding's initial weights.

@@ -38,7 +38,7 @@ import functional_shard as fs
 from _arms import ARMS, FS_DEFAULT, FS_DONATE, FSDP2_PREFETCH_DEPTH
 from _report import METHODS, machine_info, render_tables, render_targets, summarize, targets, write_docs, write_outputs
 from _runner import Plan, run_world
-from _workloads import MODELS
+from _workloads import DEFAULT_MODELS, MODELS
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -50,9 +50,10 @@ class Defaults:
     minutes on a 2-core machine (GPT batch 16 at world size 4 alone is about a third of it)."""
 
     world_sizes: tuple[int, ...] = (2, 4)
-    models: tuple[str, ...] = MODELS
+    models: tuple[str, ...] = DEFAULT_MODELS
     mlp_batch_sizes: tuple[int, ...] = (8, 64, 512)
     gpt_batch_sizes: tuple[int, ...] = (1, 4, 16)
+    gpt_large_batch_sizes: tuple[int, ...] = (1,)
     steps: int = 20
     warmup: int = 3
     correctness_steps: int = 10
@@ -75,9 +76,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="smoke check: world size 2, smallest batches, 5 steps")
     parser.add_argument("--out", type=Path, help="output folder (default benchmarks/results/<timestamp>)")
     parser.add_argument("--world-sizes", type=int, nargs="+", help="default 2 4 (quick: 2)")
-    parser.add_argument("--models", nargs="+", choices=MODELS, help="default: mlp gpt")
+    parser.add_argument("--models", nargs="+", choices=MODELS, help="default: mlp gpt (gpt-large: ~101M parameters, run on its own)")
     parser.add_argument("--mlp-batch-sizes", type=int, nargs="+", help="per rank; default 8 64 512 (quick: 8)")
     parser.add_argument("--gpt-batch-sizes", type=int, nargs="+", help="per rank; default 1 4 16 (quick: 1)")
+    parser.add_argument("--gpt-large-batch-sizes", type=int, nargs="+", help="per rank; default 1")
     parser.add_argument("--steps", type=int, help="timed steps per arm; default 20 (quick: 5)")
     parser.add_argument("--warmup", type=int, help="untimed steps before them; default 3 (quick: 1)")
     parser.add_argument("--correctness-steps", type=int, help="steps before the parameter check; default 10 (quick: 3)")
@@ -99,7 +101,7 @@ def make_plan(args: argparse.Namespace) -> tuple[Plan, tuple[int, ...]]:
         value = getattr(args, name)
         return getattr(defaults, name) if value is None else (tuple(value) if isinstance(value, list) else value)
 
-    batch_sizes = {"mlp": pick("mlp_batch_sizes"), "gpt": pick("gpt_batch_sizes")}
+    batch_sizes = {"mlp": pick("mlp_batch_sizes"), "gpt": pick("gpt_batch_sizes"), "gpt-large": pick("gpt_large_batch_sizes")}
     plan = Plan(
         batch_sizes=tuple((model, tuple(sorted(batch_sizes[model]))) for model in pick("models")),
         steps=pick("steps"),
@@ -148,6 +150,14 @@ def merge(run_dirs: list[Path], out: Path) -> None:
     result["elapsed_s"] = sum(r["elapsed_s"] for r in runs)
     result["config"] = dict(runs[0]["config"], world_sizes=[w for r in runs for w in r["config"]["world_sizes"]])
     result["records"] = [record for r in runs for record in r["records"]]
+    result["runs"] = [
+        {
+            "command": r["command"], "world_sizes": r["config"]["world_sizes"], "steps": r["config"]["steps"],
+            "warmup": r["config"]["warmup"], "correctness_steps": r["config"]["correctness_steps"],
+            "commit": r["machine"]["git_commit"], "elapsed_s": r["elapsed_s"],
+        }
+        for r in runs
+    ]
     result["targets"] = targets(result["records"])
     paths = write_outputs(result, out)
     print(render_tables(result))

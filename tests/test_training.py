@@ -54,9 +54,9 @@ def build_hf(arch: str) -> nn.Module:
     return GPT2LMHeadModel(config)
 
 
-def padded_batch(world: int, step: int, per_rank: int = 2, length: int = 12):
+def padded_batch(world: int, step: int, per_rank: int = 2, length: int = 12, seed: int = 0):
     """(ids, mask, labels) of every rank; rank r holds rows r*per_rank..; right padding, -100 labels."""
-    g = torch.Generator().manual_seed(500 + step)
+    g = torch.Generator().manual_seed(500 + step + 1000 * seed)
     n = world * per_rank
     ids = torch.randint(3, VOCAB, (n, length), generator=g)
     lengths = torch.randint(3, length + 1, (n,), generator=g)
@@ -76,7 +76,10 @@ def token_sum(model_out_logits, labels):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100, reduction="sum")
 
 
-def hf_train(mesh, arch: str):
+def hf_train(mesh, arch: str, seed: int = 0):
+    """5 AdamW steps of fs (traced and eager), DDP and single-process training on the data of
+    `seed`; the distances of fs's and DDP's parameters from single-process training
+    (`tools/ddp_distance.py` runs it over many seeds)."""
     world, rank = mesh.world_size, mesh.rank
     report = {}
     states = {}
@@ -93,7 +96,7 @@ def hf_train(mesh, arch: str):
         step = fs.sharded_step(loss_fn, mesh, optimizer=fs.optim.adamw(1e-2), schedule=fs.Schedule(trace=trace))
         state = step.init(params)
         if not trace:  # the first step's gradient against the single-process one, tensor by tensor
-            batch = padded_batch(world, 0)
+            batch = padded_batch(world, 0, seed=seed)
             full = fs.gather(step.grad(state, rows(batch, rank))[0])
             reference = build_hf(arch)
             total = (batch[2][:, 1:] != -100).sum()
@@ -102,7 +105,7 @@ def hf_train(mesh, arch: str):
                 float((full[n] - p.grad).norm() / p.grad.norm()) for n, p in reference.named_parameters()
             )
         for i in range(STEPS):
-            state, metrics = step(state, rows(padded_batch(world, i), rank))
+            state, metrics = step(state, rows(padded_batch(world, i, seed=seed), rank))
         states[trace] = state
         report[f"loss_{trace}"] = float(metrics["loss"])
     report["traced_equals_eager"] = all(torch.equal(a, b) for a, b in zip(fs.tree_leaves(states[True]), fs.tree_leaves(states[False])))
@@ -113,7 +116,7 @@ def hf_train(mesh, arch: str):
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     ddp_opt = torch.optim.AdamW(ddp_model.parameters(), lr=1e-2)
     for i in range(STEPS):
-        batch = padded_batch(world, i)
+        batch = padded_batch(world, i, seed=seed)
         total = (batch[2][:, 1:] != -100).sum()
         ref_opt.zero_grad()
         (token_sum(reference(input_ids=batch[0], attention_mask=batch[1]).logits, batch[2]) / total).backward()
@@ -130,6 +133,9 @@ def hf_train(mesh, arch: str):
         ddp_errors[name] = float((ddp_model.module.get_parameter(name).detach() - p.detach()).abs().max()) / scale
     report["worst_fs"] = max(errors.values())
     report["worst_ddp"] = max(ddp_errors.values())
+    # Euclidean distance over every parameter element (a tied weight once).
+    for key, get in (("l2_fs", exported.__getitem__), ("l2_ddp", lambda n: ddp_model.module.get_parameter(n).detach())):
+        report[key] = sum(float((get(n) - p.detach()).double().square().sum()) for n, p in reference.named_parameters()) ** 0.5
     return report
 
 
@@ -318,6 +324,7 @@ def accumulation(mesh, accumulate: str):
             "gather": metrics["all_gather_bytes"],
             "scatter": metrics["reduce_scatter_bytes"],
             "trainable_bytes": sum(b.padded_numel * 4 for b in state.params.layout.buffers if b.trainable),
+            "units_alive": fs.schedule.max_units_alive(step.schedule_events),
         }
     torch.manual_seed(0)
     reference = MLP(13, 16, 5, n_blocks=3)
@@ -342,6 +349,9 @@ def test_microbatches_equal_one_big_batch(local_world, accumulate):
         assert r["error"] <= 1e-6, (k, r["error"])
         # Reduce-scatter bytes: k per step when sharded, 1 when full; gathers grow with k.
         assert r["scatter"] == r["trainable_bytes"] * (k if accumulate == "sharded" else 1), (k, r)
+        # Prefetch stays within a micro-batch: no more units gathered at once than with one
+        # (one more when the next micro-batch's first unit was prefetched during this one).
+        assert r["units_alive"] <= out[1]["units_alive"], (k, r)
     assert out[4]["gather"] > out[1]["gather"]
 
 

@@ -137,7 +137,9 @@ def _gather_again_for_backward(gm: fx.GraphModule, c: Collective, end_node: fx.N
 class prefetch(Pass):
     """Issue each unit's all-gather `distance` units ahead of its first use, in forward and in
     backward separately, and wait for it (and build its views) right before its first use
-    (`distance=0`: gathered on demand)."""
+    (`distance=0`: gathered on demand). With micro-batches, within each micro-batch's forward
+    and backward: a micro-batch's first unit is gathered on demand (as FSDP2's root is), not
+    during the previous micro-batch."""
 
     distance: int = 1
 
@@ -171,10 +173,21 @@ class prefetch(Pass):
                 move_before([n for n in aliases(c.wait) if position[n] < position[anchor]], anchor)
         position = positions(gm)
         block_start = {u: min((c.wait for c in gathers if c.unit == u), key=position.__getitem__) for u in order}
+        # Never across micro-batches (`<unit>@mb<i>`): micro-batch i+1's first unit issued
+        # during micro-batch i's forward would stay gathered through i's whole backward.
+        first_of_microbatch = {}
+        for index, unit in enumerate(order):
+            first_of_microbatch.setdefault(_microbatch(unit), index)
         for c in gathers:
             if c.unit in first_use:
                 index = order.index(c.unit)
-                move_issue_before(c.issue, block_start[order[max(0, index - self.distance)]])
+                earliest = max(first_of_microbatch[_microbatch(c.unit)], index - self.distance)
+                move_issue_before(c.issue, block_start[order[earliest]])
+
+
+def _microbatch(unit: str) -> str:
+    """The micro-batch of a gather's unit label (`<unit>@mb<i>` -> "i"; "" without micro-batches)."""
+    return unit.rpartition("@mb")[2] if "@mb" in unit else ""
 
 
 @dataclasses.dataclass(frozen=True)
