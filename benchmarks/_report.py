@@ -332,7 +332,10 @@ def render_chart(result: dict, path: Path) -> None:
     records = result["records"]
     models = list(dict.fromkeys(r["model"] for r in records))
     fig, axes = plt.subplots(len(models), 2, figsize=(15, 4.2 * len(models)), squeeze=False)
-    colors = plt.get_cmap("tab10").colors
+    # One color per arm, the same in every panel (a model may run a subset of the arms).
+    palette = plt.get_cmap("tab20").colors
+    color_of = {name: palette[k % len(palette)] for k, name in enumerate(ARMS)}
+    legend: dict = {}
     for row, model in enumerate(models):
         group = sorted((r for r in records if r["model"] == model), key=lambda r: (r["world_size"], r["batch_size"]))
         names = [n for n in ARMS if n in group[0]["arms"]]
@@ -351,7 +354,8 @@ def render_chart(result: dict, path: Path) -> None:
                         [r["arms"][name]["median_ms"] - r["arms"][name]["q1_ms"] for r in group],
                         [r["arms"][name]["q3_ms"] - r["arms"][name]["median_ms"] for r in group],
                     ]
-                ax.bar(xs, ys, width, label=name, color=colors[k % len(colors)], yerr=errors, capsize=1.5)
+                bars = ax.bar(xs, ys, width, label=name, color=color_of[name], yerr=errors, capsize=1.5)
+                legend.setdefault(name, bars)
             ax.set_xticks(range(len(group)), labels)
             ax.set_ylabel(ylabel)
             ax.set_title(f"{model.upper()}: {ylabel.split(' (')[0]}")
@@ -361,11 +365,12 @@ def render_chart(result: dict, path: Path) -> None:
                 ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda y, _: f"{y:g}"))
                 ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
             ax.grid(axis="y", alpha=0.3)
-    handles, names = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, names, loc="upper center", ncol=len(names), fontsize=9, bbox_to_anchor=(0.5, 0.955))
-    fig.suptitle(f"fs vs FSDP2 vs DDP on {result['machine']['cpu_model']} ({result['machine']['cores']} cores), gloo; "
+    names = [n for n in ARMS if n in legend]
+    fig.legend([legend[n] for n in names], names, loc="upper center", ncol=min(len(names), 7), fontsize=9,
+               bbox_to_anchor=(0.5, 0.965))
+    fig.suptitle(f"fs and its peers on {result['machine']['cpu_model']} ({result['machine']['cores']} cores), gloo; "
                  f"whiskers: interquartile range", y=0.995)
-    fig.tight_layout(rect=(0, 0, 1, 0.93))
+    fig.tight_layout(rect=(0, 0, 1, 0.90))
     fig.savefig(path, dpi=100)
     plt.close(fig)
 

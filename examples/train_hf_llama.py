@@ -14,7 +14,7 @@ The model is ``transformers.LlamaForCausalLM`` built from a small ``LlamaConfig`
 downloaded), trained on the corpus shipped in ``functional_shard.data`` with a byte-level
 tokenizer (ids 0-255 are bytes; 256 BOS, 257 EOS, 258 padding). Each rank draws its own
 paragraphs, pads them to ``--seq-len`` and marks the padding ``-100`` in the labels; the loss is
-returned as ``fs.WeightedLoss(loss, n_tokens)``, so the step trains on the exact mean over
+returned as ``fs.WeightedLoss(token_sum, n_tokens, summed=True)``, so the step trains on the exact mean over
 every non-padding token of every rank, however the tokens fall between ranks.
 
 Writes, under ``--out`` (default ``results/train_hf_llama``): ``checkpoint/`` (a sharded
@@ -179,10 +179,11 @@ def main(config: TrainConfig) -> dict:
     def loss_fn(params, batch):
         input_ids, attention_mask, labels = batch
         logits = apply_fn(params, input_ids=input_ids, attention_mask=attention_mask).logits
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE)
-        # The mean over this rank's non-padding tokens, weighted by their count: the step trains on the
-        # mean over every rank's tokens (and every micro-batch's), not on the mean of the ranks' means.
-        return fs.WeightedLoss(loss, (labels != IGNORE).sum())
+        total = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE, reduction="sum")
+        # The sum over this rank's non-padding tokens and their count: the step trains on the mean over
+        # every rank's tokens (and every micro-batch's), not on the mean of the ranks' means; a rank
+        # or micro-batch with no tokens adds 0 (a mean would be 0 / 0).
+        return fs.WeightedLoss(total, (labels != IGNORE).sum(), summed=True)
 
     optimizer = fs.optim.adamw(lr=config.lr, weight_decay=config.weight_decay)
     if config.clip > 0:

@@ -62,10 +62,20 @@ class WeightedLoss(NamedTuple):
     micro-batches) — single-process training on the concatenated batch when `loss` is the
     mean over `weight` items (non-ignored tokens, say) — instead of the plain mean of the
     ranks' losses.
+
+    `summed=True`: `loss` is the sum over the items (`reduction="sum"`), and the step trains on
+    `sum_r loss_r / sum_r weight_r` (Hugging Face's `num_items_in_batch` convention). The same
+    training, one rounding fewer: the sum is differentiated as it is, so with one micro-batch
+    each rank's backward starts from exactly `1 / sum_r weight_r`, as single-process training
+    on `sum / total` and DDP on `sum * world / total` do, and each rank's gradient is theirs
+    bit for bit (the mean form divides by `weight` in the forward and multiplies it back in the
+    objective: `(w * (1 / W)) / w` is not always `1 / W` in floating point). Metrics report
+    the mean, `loss / weight` (0 where the weight is 0).
     """
 
-    loss: torch.Tensor  # 0-d floating: this rank's loss, a mean over `weight` items
+    loss: torch.Tensor  # 0-d floating: this rank's loss, a mean over `weight` items (or their sum)
     weight: torch.Tensor | float  # 0-d (or a number): how much it weighs; not differentiated
+    summed: bool = False  # True: `loss` is the sum over the `weight` items, not their mean
 
 
 class StepFunction(NamedTuple):
@@ -157,11 +167,20 @@ def _objective(fn: StepFunction, out: Any, scale) -> tuple[torch.Tensor, tuple]:
     """(what is differentiated, (loss, weight or None, [aux]) detached) from one call of loss_fn."""
     loss, aux = split_loss(out, fn.has_aux, fn.mesh)
     weight = None
+    summed = False
     if isinstance(loss, WeightedLoss):
-        loss, weight = loss
+        loss, weight, summed = loss
         weight = torch.as_tensor(weight, dtype=torch.float32).detach()
     check_loss(loss, fn.has_aux, fn.mesh, out)
-    objective = loss if weight is None else loss * weight.to(loss.dtype)
+    if weight is None:
+        objective = loss
+    elif summed:
+        # Differentiated as it is; reported as the mean over its items.
+        objective = loss
+        w = weight.to(loss.dtype)
+        loss = torch.where(w > 0, loss / torch.where(w > 0, w, torch.ones_like(w)), torch.zeros_like(loss))
+    else:
+        objective = loss * weight.to(loss.dtype)
     if scale is not None:
         objective = objective * scale.to(objective.dtype)
     # torch.func's aux must hold tensors only: a weightless loss carries an empty tuple.

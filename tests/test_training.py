@@ -76,10 +76,11 @@ def token_sum(model_out_logits, labels):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100, reduction="sum")
 
 
-def hf_train(mesh, arch: str, seed: int = 0):
+def hf_train(mesh, arch: str, seed: int = 0, summed: bool = False):
     """5 AdamW steps of fs (traced and eager), DDP and single-process training on the data of
     `seed`; the distances of fs's and DDP's parameters from single-process training
-    (`tools/ddp_distance.py` runs it over many seeds)."""
+    (`tools/ddp_distance.py` runs it over many seeds). `summed`: fs's loss is the token sum
+    (`fs.WeightedLoss(sum, n, summed=True)`) instead of the token mean."""
     world, rank = mesh.world_size, mesh.rank
     report = {}
     states = {}
@@ -91,6 +92,8 @@ def hf_train(mesh, arch: str, seed: int = 0):
             ids, mask, labels = batch
             out = apply_fn(p, input_ids=ids, attention_mask=mask)
             n = (labels[:, 1:] != -100).sum()
+            if summed:
+                return fs.WeightedLoss(token_sum(out.logits, labels), n, summed=True)
             return fs.WeightedLoss(token_sum(out.logits, labels) / n, n)
 
         step = fs.sharded_step(loss_fn, mesh, optimizer=fs.optim.adamw(1e-2), schedule=fs.Schedule(trace=trace))
@@ -133,6 +136,7 @@ def hf_train(mesh, arch: str, seed: int = 0):
         ddp_errors[name] = float((ddp_model.module.get_parameter(name).detach() - p.detach()).abs().max()) / scale
     report["worst_fs"] = max(errors.values())
     report["worst_ddp"] = max(ddp_errors.values())
+    report["equals_ddp"] = all(torch.equal(exported[n], ddp_model.module.get_parameter(n).detach()) for n, _ in reference.named_parameters())
     # Euclidean distance over every parameter element (a tied weight once).
     for key, get in (("l2_fs", exported.__getitem__), ("l2_ddp", lambda n: ddp_model.module.get_parameter(n).detach())):
         report[key] = sum(float((get(n) - p.detach()).double().square().sum()) for n, p in reference.named_parameters()) ** 0.5
@@ -158,6 +162,27 @@ def test_hf_models_with_padding_train_like_single_process(local_world, arch, wor
     # (reduce-scatter vs DDP's all-reduce): measured fs/DDP 1.07 (Llama), 1.15 (GPT-2). Before
     # both, Llama was 8.2x (2) and 3.7x (4) DDP's distance.
     assert report["worst_fs"] <= 1.5 * report["worst_ddp"] + 1e-7, report
+
+
+def test_summed_weighted_loss_gives_ddp_bits(local_world):
+    """With the loss a token sum (`summed=True`), each rank's backward starts from exactly
+    1 / (tokens over all ranks), as DDP's `sum * world / total` does: at world size 2, where a
+    sum of two gradients has one order, fs ends with DDP's parameters bit for bit — on data
+    seeds where the mean form (`sum / n` weighted by n: `(n * (1 / W)) / n != 1 / W` for some
+    of the ranks' counts) does not.
+
+    The seeds are ones where every rank's rows have padding: on a rank whose attention mask is
+    all ones, transformers' sdpa path drops the mask (`is_causal`, another kernel) in DDP, while
+    fs always passes it (`loss_fn` runs as under torch.export), as single-process training on
+    the concatenated, padded batch does."""
+    pytest.importorskip("transformers")
+    world = local_world(2)
+    for seed in (1, 8):
+        summed = world.run(hf_train, "llama", seed, True)[0]
+        assert summed["traced_equals_eager"] and summed["equals_ddp"], (seed, summed)
+        assert summed["grad_error"] <= 1e-5, summed
+    mean = world.run(hf_train, "llama", 1, False)[0]
+    assert not mean["equals_ddp"], mean
 
 
 def test_step_differentiates_as_backward_does():
