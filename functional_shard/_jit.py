@@ -32,6 +32,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from . import _mesh, _tracing
 from . import schedule as schedule_lib
+from .schedule._graph import drop_collectives
 from ._layout import Layout
 from ._pytree import tree_flatten, tree_paths
 
@@ -236,6 +237,9 @@ def trace(program: Callable[..., NamedTuple], mesh, key: CacheKey, io: FlatIO, i
     for index in io.forward_ends:
         _mark_forward_end(gm, index)
     gm = schedule_lib.apply_schedule(gm, schedule, schedule_lib.PassContext.for_mesh(mesh))
+    if mesh.world_size == 1:
+        # One rank: every collective is the identity; run none (no copies, no gathered buffers).
+        drop_collectives(gm)
     events = schedule_lib.analyze(gm)
     kinds = {"gather_issued": "all_gather", "reduce_scatter_issued": "reduce_scatter", "all_reduce_issued": "all_reduce"}
     sequence = [f"{kinds[e.event]} of {e.buffer or 'a value'} ({e.nbytes} bytes)" for e in events if e.event in kinds]

@@ -89,6 +89,9 @@ def test_bucketed_reduce_scatters_are_bit_identical_on_every_float_dtype(local_w
         for report in local_world(world_size).run(bucketed_against_eager, dtype, 1 << 30):
             assert report["bucketed == eager"] and report["plain == eager"], (dtype, report)
             bucketed, plain = report["reduce-scatters"]
+            if world_size == 1:  # one rank: the step runs no collective at all
+                assert bucketed == plain == 0 and report["bytes"][0] == report["bytes"][1] == 0, (dtype, report)
+                continue
             assert bucketed < plain, (dtype, report)  # buckets were made
             assert report["bytes"][0] == report["bytes"][1] and report["events per buffer"], (dtype, report)
             assert report["in flight per group"], (dtype, report)

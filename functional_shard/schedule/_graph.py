@@ -282,3 +282,22 @@ def move_early(node: fx.Node) -> None:
         for i in followers:
             n.prepend(i)
         order = {m: k for k, m in enumerate(node.graph.nodes)}
+
+
+def drop_collectives(gm: fx.GraphModule) -> int:
+    """Replace every collective of `gm` by its input, for a world of one rank, where each is
+    the identity (an all-gather or reduce-scatter over one shard, a sum over one rank): the
+    readers of its wait read the collective's input (the gloo reduce-scatter's local sum over
+    one slice then copies it, with the same bits). Returns how many were dropped. The step
+    calls it after the schedule's passes, which find units by their all-gathers."""
+    dropped = 0
+    for c in collectives(gm):
+        c.wait.replace_all_uses_with(c.issue.args[0])
+        gm.graph.erase_node(c.wait)
+        gm.graph.erase_node(c.issue)
+        dropped += 1
+    if dropped:
+        gm.graph.lint()
+        gm.recompile()
+    return dropped
+
