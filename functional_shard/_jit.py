@@ -32,7 +32,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from . import _mesh, _tracing
 from . import schedule as schedule_lib
-from .schedule._graph import drop_collectives
+from .schedule._graph import drop_collectives, microbatch_label
 from ._layout import Layout
 from ._pytree import tree_flatten, tree_paths
 
@@ -271,7 +271,7 @@ def _label_collectives(gm: fx.GraphModule, log: list[_tracing.Issued]) -> None:
             raise RuntimeError(f"internal: collective {node.name} is a {node.target} but was recorded as {entry.kind}")
         unit = entry.buffer.unit if entry.buffer is not None else ""
         if unit and entry.microbatch is not None:
-            unit = f"{unit}@mb{entry.microbatch}"  # each micro-batch gathers its own copy
+            unit = microbatch_label(unit, entry.microbatch)  # each micro-batch gathers its own copy
         schedule_lib.tag(
             node,
             schedule_lib.CollectiveTag.for_node(

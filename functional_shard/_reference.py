@@ -178,7 +178,7 @@ def _objective(fn: StepFunction, out: Any, scale) -> tuple[torch.Tensor, tuple]:
         # Differentiated as it is; reported as the mean over its items.
         objective = loss
         w = weight.to(loss.dtype)
-        loss = torch.where(w > 0, loss / torch.where(w > 0, w, torch.ones_like(w)), torch.zeros_like(loss))
+        loss = torch.where(w > 0, loss / w, torch.zeros_like(loss))
     else:
         objective = loss * weight.to(loss.dtype)
     if scale is not None:

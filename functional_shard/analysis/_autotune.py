@@ -35,6 +35,7 @@ from torch import fx
 from .. import schedule as schedule_lib
 from .._step import ShardedStep
 from ..schedule import PassContext, Schedule, apply_schedule
+from ..schedule._graph import unit_of_label
 from ._calibrate import _everyone, calibrate
 from ._machine import Machine
 from ._measure import measure, with_schedule
@@ -390,8 +391,7 @@ def _unit_orders(compiled) -> tuple[list[str], list[str]]:
 
 
 def _unit(region) -> str:
-    # With micro-batches each one gathers its own copy of a unit, labelled "unit@mb<i>".
-    return region.unit.split("@mb")[0]
+    return unit_of_label(region.unit)
 
 
 def _scheduled(base, schedule: Schedule, context: PassContext):

@@ -301,3 +301,19 @@ def drop_collectives(gm: fx.GraphModule) -> int:
         gm.recompile()
     return dropped
 
+
+# With micro-batches each one gathers its own copy of a unit: the tracer labels unit u's
+# gathers for micro-batch i `u@mb<i>`.
+def microbatch_label(unit: str, microbatch: int) -> str:
+    """Unit `unit`'s label in micro-batch `microbatch`: `<unit>@mb<microbatch>`."""
+    return f"{unit}@mb{microbatch}"
+
+
+def unit_of_label(label: str) -> str:
+    """The unit a gather's label names (`u@mb<i>` -> `u`; a label without one is the unit)."""
+    return label.split("@mb")[0]
+
+
+def microbatch_of_label(label: str) -> str:
+    """The micro-batch a gather's label names (`u@mb<i>` -> "i"; "" without micro-batches)."""
+    return label.rpartition("@mb")[2] if "@mb" in label else ""

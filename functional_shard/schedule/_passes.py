@@ -25,11 +25,13 @@ from ._graph import (
     aliases,
     collectives,
     forward_end,
+    microbatch_of_label,
     move_before,
     move_early,
     move_issue_before,
     positions,
     tag,
+    unit_of_label,
     uses,
 )
 
@@ -86,14 +88,14 @@ class reshard_after_forward(Pass):
         """Whether `unit` is freed after forward and gathered again for backward (a unit's
         gathers for micro-batch i, labelled `<unit>@mb<i>`, follow the unit's setting)."""
         if isinstance(self.reshard, _FrozenMapping):
-            return self.reshard.get(unit.split("@mb")[0], self.default)
+            return self.reshard.get(unit_of_label(unit), self.default)
         return bool(self.reshard)
 
     def __call__(self, gm: fx.GraphModule, context: PassContext) -> fx.GraphModule:
         if isinstance(self.reshard, _FrozenMapping):
             # A unit name the step does not have (a stale `rest`, a typo) would be silently ignored.
             gathered = [c for c in collectives(gm) if c.kind == "all_gather" and c.phase == "forward"]
-            known = list(dict.fromkeys(m.unit.split("@mb")[0] for c in gathered for m in c.members()))
+            known = list(dict.fromkeys(unit_of_label(m.unit) for c in gathered for m in c.members()))
             unknown = [unit for unit, _ in self.reshard if unit not in known]
             if unknown:
                 raise ValueError(f"reshard_after_forward: no unit named {unknown} in this step; its units are {known}")
@@ -177,17 +179,12 @@ class prefetch(Pass):
         # during micro-batch i's forward would stay gathered through i's whole backward.
         first_of_microbatch = {}
         for index, unit in enumerate(order):
-            first_of_microbatch.setdefault(_microbatch(unit), index)
+            first_of_microbatch.setdefault(microbatch_of_label(unit), index)
         for c in gathers:
             if c.unit in first_use:
                 index = order.index(c.unit)
-                earliest = max(first_of_microbatch[_microbatch(c.unit)], index - self.distance)
+                earliest = max(first_of_microbatch[microbatch_of_label(c.unit)], index - self.distance)
                 move_issue_before(c.issue, block_start[order[earliest]])
-
-
-def _microbatch(unit: str) -> str:
-    """The micro-batch of a gather's unit label (`<unit>@mb<i>` -> "i"; "" without micro-batches)."""
-    return unit.rpartition("@mb")[2] if "@mb" in unit else ""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,7 +29,19 @@ import torch
 from torch import fx
 
 from ._context import Pass, PassContext
-from ._graph import _FORWARD_END_KEY, WAIT_OP, _is_view, _schema, aliases, collectives, forward_end, positions
+from ._graph import (
+    _FORWARD_END_KEY,
+    WAIT_OP,
+    _is_view,
+    _schema,
+    aliases,
+    collectives,
+    forward_end,
+    microbatch_label,
+    microbatch_of_label,
+    positions,
+    unit_of_label,
+)
 
 # The `node.meta` key of a recomputed node: the unit whose forward it recomputes.
 _RECOMPUTED_KEY = "fs_recomputed"
@@ -109,14 +121,14 @@ class rematerialize(Pass):
         # Each micro-batch's loss ends its forward (one mark per micro-batch, graph order).
         ends = [node for node in gm.graph.nodes if node.meta.get(_FORWARD_END_KEY)] or [forward_end(gm)]
         parameters = _gathered_parameters(gm, position, position[ends[-1]])
-        known = list(dict.fromkeys(_unit_name(u) for u in parameters.values()))
+        known = list(dict.fromkeys(unit_of_label(u) for u in parameters.values()))
         if isinstance(self.units, tuple):
             unknown = [u for u in self.units if u not in known]
             if unknown:
                 raise ValueError(f"rematerialize: no unit named {unknown} in this step; its units are {known}")
         microbatch_of, unit_of = _forward_nodes(gm, parameters, position, ends)
         losses = {unit_of.get(end) for end in ends}
-        chosen = {u for u in unit_of.values() if self.chooses(_unit_name(u)) and u not in losses}
+        chosen = {u for u in unit_of.values() if self.chooses(unit_of_label(u)) and u not in losses}
         recomputed: dict[str, list[fx.Node]] = {}
         for node in _recomputed_nodes(gm, unit_of, microbatch_of, chosen, position):
             recomputed.setdefault(unit_of[node], []).append(node)
@@ -151,16 +163,10 @@ def _gathered_parameters(gm: fx.GraphModule, position: dict, end: int) -> dict[f
     return out
 
 
-def _unit_name(label: str) -> str:
-    """The unit a label names: with micro-batches the tracer labels unit u's gathers for
-    micro-batch i `u@mb<i>`."""
-    return label.split("@mb")[0]
-
-
 def _microbatch_label(unit: str, microbatch: int, several: bool) -> str:
     """`unit` as read in micro-batch `microbatch`'s forward: buffers gathered once for every
     micro-batch (frozen ones) take that micro-batch's label, as its own gathers have it."""
-    return f"{unit}@mb{microbatch}" if several and "@mb" not in unit else unit
+    return microbatch_label(unit, microbatch) if several and not microbatch_of_label(unit) else unit
 
 
 def _forward_nodes(
@@ -193,7 +199,7 @@ def _forward_nodes(
         if (
             any(i in backward for i in inputs)
             or any(m != here for _, _, m in inherited)
-            or (several and any(not u.endswith(f"@mb{here}") for _, u in reads))
+            or (several and any(microbatch_of_label(u) != str(here) for _, u in reads))
         ):
             backward.add(node)
             continue
