@@ -305,9 +305,11 @@ class Mesh(BaseMesh):
         # twice the bytes a reduce-scatter needs, and as slow as an all-reduce. An all-to-all
         # sends each slice straight to the rank that keeps it, which sums the ranks' slices in
         # rank order (the same order on every run and in every schedule).
+        # One shard: the slice is the buffer itself (no local sum, which would also turn -0.0
+        # into +0.0), so a world of one rank's traced step is left with no pass at all here.
         splits = [full.numel() // self.num_shards] * self.num_shards
         parts = _C10D.wait_tensor(_C10D.all_to_all_single(full, splits, splits, group))
-        return parts.view(self.num_shards, -1).sum(0)
+        return parts if self.num_shards == 1 else parts.view(self.num_shards, -1).sum(0)
 
     def all_reduce_flat(self, x: torch.Tensor, axes: tuple[str, ...] | None = None) -> torch.Tensor:
         axes = self.axis_names if axes is None else axes

@@ -229,7 +229,8 @@ def gradients(fn: StepFunction, layout: Layout, shards, local, batch, loss_scale
                 loss_total = loss_total + l.float()
             loss = losses[0] if len(losses) == 1 else (loss_total / len(losses)).reshape(()).to(losses[0].dtype)
             mean_loss = (mesh.all_reduce_flat(loss_total) / count).reshape(())
-            mean = {name: g / count for name, g in zip(names, total)}
+            # x / 1 is x, bit for bit: one rank and one micro-batch skip a pass over the gradients.
+            mean = {name: g / count if count != 1 else g for name, g in zip(names, total)}
         else:
             loss_sum = sum((l.float() * w for l, w in zip(losses[1:], weights[1:])), losses[0].float() * weights[0])
             weight_sum = sum(weights[1:], weights[0])

@@ -37,7 +37,8 @@ Scalar arguments. `alpha=` / `value=` have no tensor form and are decomposed:
 * `self.addcdiv(t1, t2, value=v)`: the CPU kernel evaluates `self + v * t1 / t2` in the
   op-math type (float for 16-bit types, with one final rounding) in both the
   vectorized and the scalar path, so `self + (t1 * v) / t2` (float32/float64) or the same
-  on float32 upcasts rounded back once (bfloat16/float16) is exact.
+  on float32 upcasts rounded back once (bfloat16/float16) is exact; for float32/float64 it
+  runs as `self.addcdiv_(t1 * v, t2)` (value 1: `1 * a` is `a`), one pass instead of two.
 
 On other devices the same forms are used but bit-identity with torch.optim is not
 claimed (torch's default there is the foreach kernel, and CUDA kernels differ).
@@ -185,4 +186,5 @@ def addcdiv_scaled_(
     if self.dtype in _REDUCED:
         # Upcast, evaluate in float, round once (copy_ rounds like .to(dtype)).
         return self.copy_(self.float() + (t1.float() * operand(value, self)) / t2.float())
-    return self.add_((t1 * operand(value, self)) / t2)
+    # addcdiv with value 1 computes self + 1 * a / t2: the same roundings, in one pass.
+    return self.addcdiv_(t1 * operand(value, self), t2)
