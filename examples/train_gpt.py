@@ -170,6 +170,7 @@ if __name__ == "__main__":
     if launched_by_torchrun():
         # torchrun started this process as one rank: run it here, the world size is torchrun's.
         config = replace(config, world_size=int(os.environ["WORLD_SIZE"]))
+        fs.keep_freed_memory()  # what fs.launch does in the ranks it starts
         result = main(config)
         # fs.launch tears the process group down itself; under torchrun that is the script's job
         # (a barrier first, so that no rank exits while another's last collective is in flight).

@@ -355,6 +355,7 @@ if __name__ == "__main__":
     if launched_by_torchrun():
         # torchrun started this process as one rank: the world size is torchrun's.
         config = replace(config, world_size=int(os.environ["WORLD_SIZE"]))
+        fs.keep_freed_memory()  # what fs.launch does in the ranks it starts
         result = main(config)
         fs.shutdown()  # a barrier, then destroy_process_group (fs.launch does this itself)
         if int(os.environ["RANK"]) == 0:

@@ -17,42 +17,9 @@ import time
 from typing import Any, Callable
 
 from ._failures import Failure, FailureKind, RankError
-from ._pool import WorkerPool
+from ._pool import WorkerPool, keep_freed_memory
 
 __all__ = ["launch", "RankError", "keep_freed_memory"]
-
-
-def keep_freed_memory() -> bool:
-    """Make this process's C allocator keep freed memory for reuse instead of returning it
-    to the operating system (glibc only; returns whether it could).
-
-    A sharded step allocates and frees full-size unit buffers (gathered parameters, their
-    gradients) every step. glibc serves blocks above 128 KiB with fresh `mmap`s, so each
-    one is page-faulted in again: on CPU that made a step up to ~50% slower than the same
-    computation on reused memory. Opt in by calling it first thing in each rank's `main`.
-    Peak memory is unchanged; the process keeps its peak.
-
-    Not on by default: with it, 3 of some 30 runs of 2-4 gloo ranks on torch 2.13 aborted
-    with a glibc heap-corruption check ("unaligned tcache chunk") in one rank, never
-    without it. Until that is explained, treat it as an experiment.
-    """
-    import ctypes
-    import ctypes.util
-    import sys
-
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return False
-    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-    # The largest values glibc accepts: allocations up to 32 MiB (64-bit max) come from the
-    # heap, and the heap's top is never trimmed.
-    ok = mallopt(M_MMAP_THRESHOLD, 32 * 2**20) == 1
-    ok = mallopt(M_TRIM_THRESHOLD, 2**31 - 1) == 1 and ok
-    return ok
 
 
 class _Interrupted(BaseException):
@@ -115,6 +82,7 @@ def launch(
     timeout: float | None = None,
     grace: float = 10.0,
     threads_per_rank: int | None = None,
+    keep_freed_memory: bool = True,
 ) -> Any:
     """Run `main(*args, **kwargs)` in `world_size` local processes and return rank 0's result.
 
@@ -129,6 +97,8 @@ def launch(
             stopped (a rank blocked in a collective with the failed one would otherwise wait
             for its collective timeout).
         threads_per_rank: `torch.set_num_threads` in each rank (default: cores // world_size).
+        keep_freed_memory: each rank calls `fs.keep_freed_memory()` first (glibc keeps freed
+            memory for reuse instead of page-faulting every unit buffer in again each step).
 
     Raises `RankError` naming the rank that failed first (`.rank`), with its traceback and a
     typed `Failure` for every rank (`.failures`). No process outlives the call: ranks die with
@@ -145,7 +115,13 @@ def launch(
         with _StopOnSignals():
             pool = None
             try:
-                pool = WorkerPool(world_size, threads_per_rank=threads_per_rank, exit_on_error=True, start_timeout=timeout)
+                pool = WorkerPool(
+                    world_size,
+                    threads_per_rank=threads_per_rank,
+                    exit_on_error=True,
+                    start_timeout=timeout,
+                    keep_freed_memory=keep_freed_memory,
+                )
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
                 result = pool.run(_main_of_rank, (main, tuple(args), dict(kwargs or {})), timeout=left, grace=grace)[0]
                 pool.close()
