@@ -136,6 +136,32 @@ def test_results_arrive_20_of_20_times():
     _check_results(20)
 
 
+def mmapped_blocks_of_a_20_mib_tensor() -> int:
+    """How many new `mmap`ed blocks glibc makes for a 20 MiB tensor (its `mallinfo2().hblks`)."""
+    import ctypes
+    import ctypes.util
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in (
+            "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+    mallinfo2 = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallinfo2
+    mallinfo2.restype = MallInfo2
+    before = mallinfo2().hblks
+    tensor = torch.empty(20 * 2**20, dtype=torch.uint8)
+    after = mallinfo2().hblks
+    del tensor
+    return after - before
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
+def test_launched_ranks_keep_freed_memory_unless_told_not_to():
+    # With fs.keep_freed_memory() a 20 MiB block comes from the heap (reused when freed), not
+    # from a fresh mmap that is returned to the OS when freed and page-faulted in again.
+    assert fs.launch(mmapped_blocks_of_a_20_mib_tensor, world_size=1) == 0
+    assert fs.launch(mmapped_blocks_of_a_20_mib_tensor, world_size=1, keep_freed_memory=False) == 1
+
+
 # --- a pool of ranks -----------------------------------------------------------------------------
 
 

@@ -126,11 +126,12 @@ def plan(
     units=None,
     has_aux: bool = False,
     donate: bool = False,
+    precision=None,
 ) -> tuple[Analysis, Any]:
     """Trace and analyze one step of `loss_fn` on `mesh` without running it: `(analysis, compiled)`.
 
     Arguments:
-        loss_fn / optimizer / schedule / units / has_aux / donate: as for `fs.sharded_step`.
+        loss_fn / optimizer / schedule / units / has_aux / donate / precision: as for `fs.sharded_step`.
         params: the parameter pytree, on the meta device or real (only shapes and dtypes are read).
         batch: one rank's batch, meta tensors (e.g. `torch.empty(b, s, dtype=torch.long, device="meta")`).
         mesh: usually an `AbstractMesh` of the size to plan for.
@@ -138,6 +139,8 @@ def plan(
     Returns the `Analysis` (FLOPs, collective bytes, peak memory per rank: `analysis.fits(bytes)`)
     and the `CompiledStep` it was read from.
     """
-    step = sharded_step(loss_fn, mesh, optimizer=optimizer, schedule=schedule, units=units, has_aux=has_aux, donate=donate)
+    step = sharded_step(
+        loss_fn, mesh, optimizer=optimizer, schedule=schedule, units=units, has_aux=has_aux, donate=donate, precision=precision
+    )
     compiled = step.lower(abstract_state(step, params), batch)
     return analyze(compiled), compiled

@@ -43,7 +43,7 @@ class MemoryBreakdown(NamedTuple):
     parameters: int  # parameter shards (the state's, and the new ones the step returns) and module buffers
     gradients: int  # leaf gradients of a unit, its flat full-size gradient, the reduce-scattered shard
     optimizer_state: int  # optimizer state (the state's, and the new one the step returns), its scalars
-    gathered: int  # full (all-gathered) parameters of units
+    gathered: int  # full (all-gathered) parameters of units, and shards cast to the gather dtype
     activations: int  # forward values kept for the backward, and the backward's temporaries
     update_temporaries: int  # the optimizer's intermediate values
     batch: int  # this rank's batch
@@ -141,6 +141,12 @@ def estimate_memory(gm: fx.GraphModule, roles: NodeRoles, io) -> MemoryEstimate:
         for source in node.all_input_nodes:
             for key in storage_of.get(source, []):
                 last[key] = max(last[key], end if node.op == "output" else i)
+        if node.target is _C10D.wait_tensor.default and isinstance(node.args[0], fx.Node):
+            # The collective's work holds its input until it is waited for (gloo keeps the
+            # tensors it sends from): e.g. a mixed-precision cast shard, a full gradient.
+            for source in node.args[0].all_input_nodes:
+                for key in storage_of.get(source, []):
+                    last[key] = max(last[key], i)
     for node in nodes:
         if node.op == "placeholder":
             for key in storage_of[node]:
@@ -190,6 +196,9 @@ def _categories(nodes: list, storage_of: dict, root: dict, roles: NodeRoles, io)
         if node.op == "call_function" and node.target in _ISSUE:
             if node.target is _C10D.all_gather_into_tensor.default:
                 gathered_roots.add(node)
+                source = node.args[0] if isinstance(node.args[0], fx.Node) else None
+                if source is not None and source.target is torch.ops.aten._to_copy.default:
+                    gathered_roots.add(source)  # the shard cast to the gather dtype (mixed precision)
             else:
                 # The flat full-size gradient it sends, and the leaf gradients it is made of.
                 gradient_roots.add(node)

@@ -231,11 +231,28 @@ def _is_cheap(node: fx.Node) -> bool:
     return _is_pure(node) and (_is_view(node) or node.target in _CHEAP or not node.all_input_nodes)
 
 
+def pre_collective_cast(issue: fx.Node) -> fx.Node | None:
+    """The dtype cast a collective moves, when its input is one (mixed precision casts a
+    shard to the gather dtype before the all-gather) made from the step's inputs alone: it can
+    be recomputed anywhere, and read by this collective only it should sit right before it."""
+    source = issue.args[0] if issue.args else None
+    if (
+        isinstance(source, fx.Node)
+        and source.target is torch.ops.aten._to_copy.default
+        and all(i.op == "placeholder" for i in source.all_input_nodes)
+    ):
+        return source
+    return None
+
+
 def move_issue_before(issue: fx.Node, anchor: fx.Node) -> None:
     """Move a collective's `issue` right before `anchor`, with the cheap nodes it reads (views,
     concatenations, constants: e.g. a bucket's `cat` of shards) that sit at or after `anchor`.
     Where one of its inputs computes and sits after `anchor`, the issue goes right after the
-    last such input instead (as early as the computation allows)."""
+    last such input instead (as early as the computation allows). A cast of the step's inputs
+    that only this collective reads (`pre_collective_cast`) moves with it, so that the cast
+    copy lives from right before the issue, not from wherever the trace made it."""
+    cast = pre_collective_cast(issue)
     while True:
         order = {n: i for i, n in enumerate(issue.graph.nodes)}
         late: set[fx.Node] = set()
@@ -245,11 +262,13 @@ def move_issue_before(issue: fx.Node, anchor: fx.Node) -> None:
                 if i not in late and order[i] >= order[anchor]:
                     late.add(i)
                     frontier.append(i)
-        blocking = [n for n in late if not _is_cheap(n)]
+        blocking = [n for n in late if not _is_cheap(n) and not (n is cast and len(cast.users) == 1)]
         if not blocking:
             break
         anchor = max(blocking, key=order.__getitem__).next
     move_before([*sorted(late, key=order.__getitem__), issue], anchor)
+    if cast is not None and len(cast.users) == 1:
+        issue.prepend(cast)
 
 
 def move_early(node: fx.Node) -> None:

@@ -29,6 +29,7 @@ from ._graph import (
     move_before,
     move_early,
     move_issue_before,
+    pre_collective_cast,
     positions,
     tag,
     unit_of_label,
@@ -123,7 +124,11 @@ def _gather_again_for_backward(gm: fx.GraphModule, c: Collective, end_node: fx.N
         if node not in copies:
             with gm.graph.inserting_before(first):
                 if node is c.wait:
-                    issue = gm.graph.node_copy(c.issue)
+                    # Cast again too (mixed precision): else the forward's cast shard stays
+                    # alive from the forward's gather to the backward's.
+                    cast = pre_collective_cast(c.issue)
+                    recast = gm.graph.node_copy(cast) if cast is not None else None
+                    issue = gm.graph.node_copy(c.issue, lambda n: recast if n is cast else n)
                     tag(issue, dataclasses.replace(c.tag, phase="backward"))
                     copies[node] = gm.graph.node_copy(c.wait, lambda n: issue)
                 else:
