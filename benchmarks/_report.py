@@ -149,9 +149,19 @@ def _bytes_targets(r: dict, where: str) -> list[dict]:
     full-buffer elements per step with resharding, Ψ + Ψ without, each in its dtype: fp32
     (4 bytes) for the fp32 arms; for `fs bf16` the all-gathers move bf16 (2 bytes) and the
     reduce-scatter fp32 (the reduce dtype). Exact (without resharding) or an upper bound (with),
-    up to the flat buffers' padding."""
+    up to the flat buffers' padding. At world size 1 every collective is the identity and the
+    traced step runs none: the target there is 0 bytes."""
     out = []
     psi = r["psi"]
+    if r["world_size"] == 1:
+        for name in (FS_DEFAULT, FS_KEEP, FS_BF16):
+            if name in r["arms"]:
+                moved = r["arms"][name]["all_gather_bytes"] + r["arms"][name]["reduce_scatter_bytes"]
+                out.append({
+                    "target": f"{name}: no all-gather or reduce-scatter at world size 1", "config": where,
+                    "value": moved, "limit": 0, "unit": "B", "met": moved == 0, "detail": f"{moved} B",
+                })
+        return out
     pad = (r["fs_layout"]["padded_bytes"] // 4) - psi  # padding elements per full copy
     for name, gathers, gather_size, formula in (
         (FS_DEFAULT, 2, 4, "3Ψ×4"), (FS_KEEP, 1, 4, "2Ψ×4"), (FS_BF16, 2, 2, "2Ψ×2 + Ψ×4"),
