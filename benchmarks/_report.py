@@ -157,10 +157,7 @@ def _bytes_targets(r: dict, where: str) -> list[dict]:
         for name in (FS_DEFAULT, FS_KEEP, FS_BF16):
             if name in r["arms"]:
                 moved = r["arms"][name]["all_gather_bytes"] + r["arms"][name]["reduce_scatter_bytes"]
-                out.append({
-                    "target": f"{name}: no all-gather or reduce-scatter at world size 1", "config": where,
-                    "value": moved, "limit": 0, "unit": "B", "met": moved == 0, "detail": f"{moved} B",
-                })
+                out.append(_target(f"{name}: no all-gather or reduce-scatter at world size 1", where, moved, 0, "B", detail=f"{moved} B"))
         return out
     pad = (r["fs_layout"]["padded_bytes"] // 4) - psi  # padding elements per full copy
     for name, gathers, gather_size, formula in (

@@ -197,7 +197,7 @@ def _rank_main(
     setup_args: tuple,
     threads: int,
     exit_on_error: bool,
-    keep_memory: bool = False,
+    keep_memory: bool,
 ) -> None:
     """The body of every rank: set up, then run what the parent sends until it says "close"."""
     _die_with_parent(parent_pid)

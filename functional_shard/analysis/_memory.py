@@ -27,6 +27,7 @@ import torch
 from torch import fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from ..schedule._graph import pre_collective_cast
 from ._costs import COLLECTIVE_OPS, is_view, tensors_of
 from ._regions import GRADIENT_PLUMBING, NodeRoles, gradient_sources
 
@@ -196,9 +197,9 @@ def _categories(nodes: list, storage_of: dict, root: dict, roles: NodeRoles, io)
         if node.op == "call_function" and node.target in _ISSUE:
             if node.target is _C10D.all_gather_into_tensor.default:
                 gathered_roots.add(node)
-                source = node.args[0] if isinstance(node.args[0], fx.Node) else None
-                if source is not None and source.target is torch.ops.aten._to_copy.default:
-                    gathered_roots.add(source)  # the shard cast to the gather dtype (mixed precision)
+                cast = pre_collective_cast(node)
+                if cast is not None:
+                    gathered_roots.add(cast)  # the shard cast to the gather dtype (mixed precision)
             else:
                 # The flat full-size gradient it sends, and the leaf gradients it is made of.
                 gradient_roots.add(node)

@@ -253,6 +253,7 @@ def move_issue_before(issue: fx.Node, anchor: fx.Node) -> None:
     that only this collective reads (`pre_collective_cast`) moves with it, so that the cast
     copy lives from right before the issue, not from wherever the trace made it."""
     cast = pre_collective_cast(issue)
+    own_cast = cast if cast is not None and len(cast.users) == 1 else None
     while True:
         order = {n: i for i, n in enumerate(issue.graph.nodes)}
         late: set[fx.Node] = set()
@@ -262,13 +263,13 @@ def move_issue_before(issue: fx.Node, anchor: fx.Node) -> None:
                 if i not in late and order[i] >= order[anchor]:
                     late.add(i)
                     frontier.append(i)
-        blocking = [n for n in late if not _is_cheap(n) and not (n is cast and len(cast.users) == 1)]
+        blocking = [n for n in late if not _is_cheap(n) and n is not own_cast]
         if not blocking:
             break
         anchor = max(blocking, key=order.__getitem__).next
     move_before([*sorted(late, key=order.__getitem__), issue], anchor)
-    if cast is not None and len(cast.users) == 1:
-        issue.prepend(cast)
+    if own_cast is not None:
+        issue.prepend(own_cast)
 
 
 def move_early(node: fx.Node) -> None:
