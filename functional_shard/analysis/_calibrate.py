@@ -3,14 +3,19 @@
 Every rank runs the same measurements, at the same time (it is a collective):
 
 - dispatch: a one-element `aten.add` and a `aten.view`, called as a traced graph calls them;
-- matrix products: square `mm`s from 32 to 1024 (FLOP/s by size, whole calls);
+- matrix products: square `mm`s from 32 to 1024 (FLOP/s by size, whole calls), operands
+  cycled through a pool of 16 MiB per rank: a step's products read weights and activations
+  that other work has just pushed out of the core's own caches (one reused operand put the
+  GPT's size of product at 59 GFLOP/s per rank at 4 ranks, the pool at 28: the step's
+  backward had been predicted 25 % short);
 - memory traffic: `aten.add` over 10^3 to 4·10^6 elements (bytes/s by size, whole calls);
 - kernel classes (`Machine.op_seconds`): one representative operation per class — `mul` of
   two tensors (elementwise), `exp` and `gelu_backward` (transcendental), a row `sum`
   (reduction), `native_layer_norm` (normalization), `clone` (copy), `where`
   (select) — over 10^2 to 4·10^6 elements, each input drawn from a pool larger than the
-  caches (a step's tensors are rarely cache-hot), each timing a loop of at least
-  `min_loop_s` so that ranks sharing cores are measured sharing them;
+  caches (a step's tensors are rarely cache-hot);
+- every compute timing is the median of `repeat` fixed wall-clock windows (`_loop_seconds`)
+  that all ranks start together, so that ranks sharing cores are measured sharing them;
 - the step's own overhead: a traced `sharded_step` of one small parameter, its call timed
   against its graph alone (the ranks' agreement, guards, packing);
 - collectives: the mesh's own all-gather, reduce-scatter and all-reduce of full buffers from
@@ -53,15 +58,31 @@ def _median_seconds(fn, repeat: int) -> float:
     return statistics.median(times)
 
 
-def _loop_seconds(fn, min_loop_s: float, repeat: int = 3) -> float:
-    """Seconds per call of `fn`, from the median of `repeat` loops of at least `min_loop_s`
-    each: long enough that a rank sharing its cores with others is measured sharing them."""
+def _loop_seconds(fn, min_loop_s: float, repeat: int = 5) -> float:
+    """Seconds per call of `fn`: the median over `repeat` windows of `min_loop_s` wall-clock
+    seconds each, calling `fn` until the window closes. Ranks that start together (the callers
+    synchronise first) are busy for the same windows, so ranks sharing cores are measured
+    sharing them for the whole window; a fixed count of calls would let a rank that finishes
+    early leave the core to its neighbour for the rest of the neighbour's loop."""
     fn()  # warm-up
     start = time.perf_counter()
     fn()
-    once = max(time.perf_counter() - start, 1e-7)
-    calls = max(1, int(min_loop_s / once))
-    return _median_seconds(lambda: [fn() for _ in range(calls)], repeat) / calls
+    # Calls between clock reads: about 1/20 of a window, so the clock costs nothing measurable.
+    chunk = max(1, int(min_loop_s / 20 / max(time.perf_counter() - start, 1e-7)))
+    per_call = []
+    for _ in range(repeat):
+        results = []  # kept to the window's end: each call writes fresh memory, as a step's do
+        start = time.perf_counter()
+        deadline = start + min_loop_s
+        while True:
+            for _ in range(chunk):
+                results.append(fn())
+            now = time.perf_counter()
+            if now >= deadline:
+                break
+        per_call.append((now - start) / len(results))
+        del results
+    return statistics.median(per_call)
 
 
 def _pool(numel: int, device, pool_bytes: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -130,16 +151,17 @@ def calibrate(mesh, *, path: str | None = None, name: str | None = None, quick: 
     """
     device = getattr(mesh, "device", torch.device("cpu"))
     one = torch.ones(1, device=device)
-    min_loop_s = 0.005 if quick else 0.03
+    min_loop_s = 0.005 if quick else 0.04
     mesh.all_reduce_flat(torch.zeros(1, device=device))
     overhead = _loop_seconds(lambda: _aten.add.Tensor(one, one), min_loop_s, 5)
     view_overhead = _loop_seconds(lambda: _aten.view.default(one, [1]), min_loop_s, 5)
 
+    pool_bytes = (8 if quick else 16) << 20  # the matrix products' operands, per rank
     matmul = []
     for n in (32, 128, 512) if quick else (32, 64, 128, 256, 512, 1024):
-        a = torch.randn(n, n, device=device)
+        operands = itertools.cycle([torch.randn(n, n, device=device) for _ in range(max(2, min(256, pool_bytes // (4 * n * n))))])
         mesh.all_reduce_flat(torch.zeros(1, device=device))
-        seconds = _loop_seconds(lambda: _aten.mm.default(a, a), min_loop_s)
+        seconds = _loop_seconds(lambda: _aten.mm.default(next(operands), next(operands)), min_loop_s)
         matmul.append((2.0 * n**3, 2.0 * n**3 / seconds))
     bandwidth = []
     for numel in (1_000, 100_000, 1_000_000) if quick else (1_000, 10_000, 100_000, 1_000_000, 4_000_000):
@@ -160,7 +182,7 @@ def calibrate(mesh, *, path: str | None = None, name: str | None = None, quick: 
     for kind, run in operations.items():
         points = []
         for full in sizes:
-            seconds = _slowest(mesh, _collective_seconds(mesh, lambda: run(full), 2 if quick else 4))
+            seconds = _slowest(mesh, _collective_seconds(mesh, lambda: run(full), 2 if quick else 7))
             share = (p - 1) / p * (2 if kind == "all_reduce" else 1) if p > 1 else 1.0
             points.append((share * full, seconds))
         latency[kind], per_byte = _fit(points)
