@@ -29,7 +29,9 @@ Every rank runs the same measurements, at the same time (it is a collective):
   × full bytes (the call allocates the output and hands the input to the communication thread).
 
 Compute constants are averaged over ranks, communication constants are the slowest rank's.
-Timings are medians of repeats; on a shared machine they carry its noise.
+Timings are medians of repeats; on a shared machine they carry its noise. On a GPU every clock
+read first waits for the work queued on the device (`_clock`), so that kernels are timed, not
+their launches.
 """
 
 from __future__ import annotations
@@ -48,36 +50,52 @@ __all__ = ["calibrate"]
 _aten = torch.ops.aten
 
 
-def _median_seconds(fn, repeat: int) -> float:
+def _clock(device):
+    """A wall clock to read once `device` has run the work queued on it so far: a GPU queues
+    kernels and returns, a CPU has already run them (its clock is `time.perf_counter` itself,
+    so that timing a small operation adds nothing to it)."""
+    if torch.device(device).type != "cuda":
+        return time.perf_counter
+
+    def now() -> float:
+        torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    return now
+
+
+def _median_seconds(fn, repeat: int, device="cpu") -> float:
+    clock = _clock(device)
     fn()  # warm-up
     times = []
     for _ in range(repeat):
-        start = time.perf_counter()
+        start = clock()
         fn()
-        times.append(time.perf_counter() - start)
+        times.append(clock() - start)
     return statistics.median(times)
 
 
-def _loop_seconds(fn, min_loop_s: float, repeat: int = 5) -> float:
+def _loop_seconds(fn, min_loop_s: float, repeat: int = 5, device="cpu") -> float:
     """Seconds per call of `fn`: the median over `repeat` windows of `min_loop_s` wall-clock
     seconds each, calling `fn` until the window closes. Ranks that start together (the callers
     synchronise first) are busy for the same windows, so ranks sharing cores are measured
     sharing them for the whole window; a fixed count of calls would let a rank that finishes
     early leave the core to its neighbour for the rest of the neighbour's loop."""
+    clock = _clock(device)
     fn()  # warm-up
-    start = time.perf_counter()
+    start = clock()
     fn()
     # Calls between clock reads: about 1/20 of a window, so the clock costs nothing measurable.
-    chunk = max(1, int(min_loop_s / 20 / max(time.perf_counter() - start, 1e-7)))
+    chunk = max(1, int(min_loop_s / 20 / max(clock() - start, 1e-7)))
     per_call = []
     for _ in range(repeat):
         results = []  # kept to the window's end: each call writes fresh memory, as a step's do
-        start = time.perf_counter()
+        start = clock()
         deadline = start + min_loop_s
         while True:
             for _ in range(chunk):
                 results.append(fn())
-            now = time.perf_counter()
+            now = clock()
             if now >= deadline:
                 break
         per_call.append((now - start) / len(results))
@@ -121,7 +139,7 @@ def _op_seconds(mesh, device, sizes, min_loop_s: float, pool_bytes: int) -> dict
             for op in operations:
                 inputs = itertools.cycle(pool)
                 mesh.all_reduce_flat(torch.zeros(1, device=device))  # every rank measures at once
-                seconds.append(_loop_seconds(lambda op=op, inputs=inputs: op(*next(inputs)), min_loop_s))
+                seconds.append(_loop_seconds(lambda op=op, inputs=inputs: op(*next(inputs)), min_loop_s, device=device))
             curves[kind].append((numel, statistics.mean(seconds)))
     return curves
 
@@ -153,20 +171,20 @@ def calibrate(mesh, *, path: str | None = None, name: str | None = None, quick: 
     one = torch.ones(1, device=device)
     min_loop_s = 0.005 if quick else 0.04
     mesh.all_reduce_flat(torch.zeros(1, device=device))
-    overhead = _loop_seconds(lambda: _aten.add.Tensor(one, one), min_loop_s, 5)
-    view_overhead = _loop_seconds(lambda: _aten.view.default(one, [1]), min_loop_s, 5)
+    overhead = _loop_seconds(lambda: _aten.add.Tensor(one, one), min_loop_s, 5, device)
+    view_overhead = _loop_seconds(lambda: _aten.view.default(one, [1]), min_loop_s, 5, device)
 
     pool_bytes = (8 if quick else 16) << 20  # the matrix products' operands, per rank
     matmul = []
     for n in (32, 128, 512) if quick else (32, 64, 128, 256, 512, 1024):
         operands = itertools.cycle([torch.randn(n, n, device=device) for _ in range(max(2, min(256, pool_bytes // (4 * n * n))))])
         mesh.all_reduce_flat(torch.zeros(1, device=device))
-        seconds = _loop_seconds(lambda: _aten.mm.default(next(operands), next(operands)), min_loop_s)
+        seconds = _loop_seconds(lambda: _aten.mm.default(next(operands), next(operands)), min_loop_s, device=device)
         matmul.append((2.0 * n**3, 2.0 * n**3 / seconds))
     bandwidth = []
     for numel in (1_000, 100_000, 1_000_000) if quick else (1_000, 10_000, 100_000, 1_000_000, 4_000_000):
         x = torch.randn(numel, device=device)
-        seconds = _median_seconds(lambda: _aten.add.Tensor(x, x), 3 if quick else 7)
+        seconds = _median_seconds(lambda: _aten.add.Tensor(x, x), 3 if quick else 7, device)
         bandwidth.append((12.0 * numel, 12.0 * numel / seconds))
     op_sizes = (1_000, 100_000, 1_000_000) if quick else (100, 1_000, 10_000, 100_000, 1_000_000, 4_000_000)
     op_seconds = _op_seconds(mesh, device, op_sizes, min_loop_s, (8 if quick else 64) << 20)
@@ -209,13 +227,14 @@ def calibrate(mesh, *, path: str | None = None, name: str | None = None, quick: 
 
 
 def _collective_seconds(mesh, fn, repeat: int) -> float:
+    clock = _clock(getattr(mesh, "device", "cpu"))
     times = []
     fn()
     for _ in range(repeat):
         mesh.all_reduce_flat(torch.zeros(1, device=getattr(mesh, "device", "cpu")))  # start together
-        start = time.perf_counter()
+        start = clock()
         fn()
-        times.append(time.perf_counter() - start)
+        times.append(clock() - start)
     return statistics.median(times)
 
 
@@ -249,6 +268,7 @@ def _step_overhead(mesh, repeat: int) -> float:
     from ..optim import sgd
 
     device = getattr(mesh, "device", torch.device("cpu"))
+    clock = _clock(device)
     step = sharded_step(lambda p, x: (p["w"] * x).sum(), mesh, optimizer=sgd(lr=0.1))
     state = step.init({"w": torch.ones(64, device=device)})
     x = torch.ones(64, device=device)
@@ -258,14 +278,14 @@ def _step_overhead(mesh, repeat: int) -> float:
     with torch.no_grad():
         for _ in range(repeat):
             mesh.all_reduce_flat(torch.zeros(1, device=device))
-            start = time.perf_counter()
+            start = clock()
             state, _ = step(state, x)
-            whole.append(time.perf_counter() - start)
+            whole.append(clock() - start)
             inputs = step.graph_inputs(state, x)
             mesh.all_reduce_flat(torch.zeros(1, device=device))
-            start = time.perf_counter()
+            start = clock()
             graph(*inputs)
-            alone.append(time.perf_counter() - start)
+            alone.append(clock() - start)
     return max(0.0, statistics.median(whole) - statistics.median(alone))
 
 
@@ -275,13 +295,14 @@ def _issue_cost(mesh, device, sizes, repeat: int) -> tuple[float, float]:
     if not dist.is_initialized() or mesh.world_size == 1:
         return 0.0, 0.0
     world, group = dist.get_world_size(), dist.group.WORLD.group_name
+    clock = _clock(device)
     points = []
     for full in sizes:
         shard = torch.ones(max(1, full // 4 // world), device=device)
         times = []
         for _ in range(repeat):
             mesh.all_reduce_flat(torch.zeros(1, device=device))
-            start = time.perf_counter()
+            start = clock()  # the call's own time: no sync after it
             work = torch.ops._c10d_functional.all_gather_into_tensor(shard, world, group)
             times.append(time.perf_counter() - start)
             torch.ops._c10d_functional.wait_tensor(work)
@@ -296,6 +317,7 @@ def _overlap(mesh, device, full_bytes: int) -> float:
         return 0.0
     world = dist.get_world_size()
     group = dist.group.WORLD.group_name
+    clock = _clock(device)
     shard = torch.ones(full_bytes // 4 // world, device=device)
 
     def issue():  # as a traced graph issues it: the functional collective, waited later
@@ -306,21 +328,21 @@ def _overlap(mesh, device, full_bytes: int) -> float:
 
     a = torch.randn(256, 256, device=device)
     comm = _collective_seconds(mesh, communicate, 3)
-    per_mm = _median_seconds(lambda: a @ a, 5)
+    per_mm = _median_seconds(lambda: a @ a, 5, device)
     count = max(1, int(comm / per_mm))
 
     def compute():
         for _ in range(count):
             a @ a
 
-    compute_s = _median_seconds(compute, 3)
+    compute_s = _median_seconds(compute, 3, device)
     boths = []
     for _ in range(3):
         mesh.all_reduce_flat(torch.zeros(1, device=device))
-        start = time.perf_counter()
+        start = clock()
         work = issue()
         compute()
         torch.ops._c10d_functional.wait_tensor(work)
-        boths.append(time.perf_counter() - start)
+        boths.append(clock() - start)
     both = statistics.median(boths)
     return (both - max(comm, compute_s)) / min(comm, compute_s)
