@@ -64,7 +64,7 @@ def _clock(device):
     return now
 
 
-def _median_seconds(fn, repeat: int, device="cpu") -> float:
+def _median_seconds(fn, repeat: int, device) -> float:
     clock = _clock(device)
     fn()  # warm-up
     times = []
@@ -75,7 +75,7 @@ def _median_seconds(fn, repeat: int, device="cpu") -> float:
     return statistics.median(times)
 
 
-def _loop_seconds(fn, min_loop_s: float, repeat: int = 5, device="cpu") -> float:
+def _loop_seconds(fn, min_loop_s: float, repeat: int = 5, *, device) -> float:
     """Seconds per call of `fn`: the median over `repeat` windows of `min_loop_s` wall-clock
     seconds each, calling `fn` until the window closes. Ranks that start together (the callers
     synchronise first) are busy for the same windows, so ranks sharing cores are measured
@@ -99,7 +99,6 @@ def _loop_seconds(fn, min_loop_s: float, repeat: int = 5, device="cpu") -> float
             if now >= deadline:
                 break
         per_call.append((now - start) / len(results))
-        del results
     return statistics.median(per_call)
 
 
@@ -171,8 +170,8 @@ def calibrate(mesh, *, path: str | None = None, name: str | None = None, quick: 
     one = torch.ones(1, device=device)
     min_loop_s = 0.005 if quick else 0.04
     mesh.all_reduce_flat(torch.zeros(1, device=device))
-    overhead = _loop_seconds(lambda: _aten.add.Tensor(one, one), min_loop_s, 5, device)
-    view_overhead = _loop_seconds(lambda: _aten.view.default(one, [1]), min_loop_s, 5, device)
+    overhead = _loop_seconds(lambda: _aten.add.Tensor(one, one), min_loop_s, device=device)
+    view_overhead = _loop_seconds(lambda: _aten.view.default(one, [1]), min_loop_s, device=device)
 
     pool_bytes = (8 if quick else 16) << 20  # the matrix products' operands, per rank
     matmul = []
@@ -227,11 +226,12 @@ def calibrate(mesh, *, path: str | None = None, name: str | None = None, quick: 
 
 
 def _collective_seconds(mesh, fn, repeat: int) -> float:
-    clock = _clock(getattr(mesh, "device", "cpu"))
+    device = getattr(mesh, "device", "cpu")
+    clock = _clock(device)
     times = []
     fn()
     for _ in range(repeat):
-        mesh.all_reduce_flat(torch.zeros(1, device=getattr(mesh, "device", "cpu")))  # start together
+        mesh.all_reduce_flat(torch.zeros(1, device=device))  # start together
         start = clock()
         fn()
         times.append(clock() - start)
