@@ -32,7 +32,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from . import _mesh, _tracing
 from . import schedule as schedule_lib
-from .schedule._graph import drop_collectives, microbatch_label
+from .schedule._graph import drop_collectives, gather_casts_in_place, microbatch_label
 from ._layout import Layout
 from ._pytree import tree_flatten, tree_paths
 
@@ -240,6 +240,8 @@ def trace(program: Callable[..., NamedTuple], mesh, key: CacheKey, io: FlatIO, i
     if mesh.world_size == 1:
         # One rank: every collective is the identity; run none (no copies, no gathered buffers).
         drop_collectives(gm)
+    else:
+        gather_casts_in_place(gm, mesh.shard_index)
     events = schedule_lib.analyze(gm)
     kinds = {"gather_issued": "all_gather", "reduce_scatter_issued": "reduce_scatter", "all_reduce_issued": "all_reduce"}
     sequence = [f"{kinds[e.event]} of {e.buffer or 'a value'} ({e.nbytes} bytes)" for e in events if e.event in kinds]

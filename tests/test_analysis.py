@@ -38,24 +38,62 @@ def meta_batch(batch: int = 2, sequence: int = 32):
 
 
 @pytest.mark.parametrize("prefetch", [0, 1, 2])
-def test_mixed_precision_casts_each_shard_right_before_its_gather(prefetch):
-    # bf16 gathers: each all-gather (forward, and the backward's again) reads a cast of the
-    # fp32 shard made right before it and read by nothing else, so no cast shard stays alive
-    # from the forward to the backward (it did: 4.5 MiB of the GPT benchmark's bf16 peak).
+@pytest.mark.parametrize("rank", [0, 3])
+def test_mixed_precision_casts_each_shard_into_its_gathers_slot_right_before_it(prefetch, rank):
+    # bf16 gathers: each all-gather (forward, and the backward's again) casts the fp32 shard
+    # right before it, into this rank's slot of the buffer it gathers into (as FSDP2 does), so
+    # no cast shard stays alive from the forward to the backward (it did: 4.5 MiB of the GPT
+    # benchmark's bf16 peak), nor beside the gathered buffer while the gather is in flight.
     apply_fn, params = meta_gpt()
     precision = fs.Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     analysis, compiled = fs.analysis.plan(
-        gpt_loss(apply_fn), params, meta_batch(), mesh=fs.analysis.AbstractMesh({"fsdp": 4}),
+        gpt_loss(apply_fn), params, meta_batch(), mesh=fs.analysis.AbstractMesh({"fsdp": 4}, rank=rank),
         optimizer=fs.optim.adamw(lr=1e-3), schedule=fs.Schedule(prefetch=prefetch), precision=precision,
     )
     gathers = [c for c in fs.schedule.collectives(compiled.graph_module) if c.kind == "all_gather"]
     assert {c.phase for c in gathers} == {"forward", "backward"}
+    aten = torch.ops.aten
     for c in gathers:
-        cast = c.issue.args[0]
-        assert cast.target is torch.ops.aten._to_copy.default and cast.kwargs["dtype"] == torch.bfloat16, c.unit
-        assert list(cast.users) == [c.issue] and c.issue.prev is cast, (c.unit, c.phase)
-    # The memory model counts each cast shard as gathered until its collective is waited for.
+        assert c.issue.target is torch.ops._c10d_functional.all_gather_into_tensor_out.default, c.unit
+        copied, full = c.issue.args[0], c.issue.kwargs["out"]
+        assert copied.target is aten.copy_.default and c.issue.prev is copied, (c.unit, c.phase)
+        slot, shard = copied.args
+        assert shard.op == "placeholder" and shard.meta["val"].dtype == torch.float32
+        n = shard.meta["val"].numel()
+        assert slot.target is aten.slice.Tensor and slot.args == (full, 0, rank * n, (rank + 1) * n)
+        assert full.target is aten.empty.memory_format and full.kwargs["dtype"] == torch.bfloat16
+        assert full.meta["val"].numel() == 4 * n and c.nbytes == 4 * n * 2
+    casts = [n for n in compiled.graph_module.graph.nodes if n.target is aten._to_copy.default and n.args[0].op == "placeholder"]
+    assert not [n for n in casts if n.kwargs["dtype"] == torch.bfloat16]  # no shard cast into a copy of its own
+    # The memory model counts each gathered buffer from its allocation to its last reader.
     assert analysis.memory.breakdown.gathered > 0
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_a_reduce_scatter_is_waited_before_the_next_ones_buffer_is_built(bf16):
+    # One collective in flight (gloo): the reduce-scatter in flight is waited before the copies
+    # that build the next one's flat gradient (its cat, and the cast to the reduce dtype), not
+    # between them and the issue, so the full gradient it sent and the slices it received are
+    # gone before the next full gradient exists (1.1 MiB of the bf16 GPT benchmark's peak at batch 1).
+    apply_fn, params = meta_gpt()
+    mesh = fs.analysis.AbstractMesh({"fsdp": 4})
+    mesh.max_collectives_in_flight = 1
+    precision = fs.Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+    _, compiled = fs.analysis.plan(
+        gpt_loss(apply_fn), params, meta_batch(), mesh=mesh, optimizer=fs.optim.adamw(lr=1e-3), precision=precision
+    )
+    gm = compiled.graph_module
+    position = {n: i for i, n in enumerate(gm.graph.nodes)}
+    reduces = [c for c in fs.schedule.collectives(gm) if c.kind == "reduce_scatter"]
+    assert len(reduces) > 2
+    aten = torch.ops.aten
+    for earlier, later in zip(reduces, reduces[1:]):
+        flat = later.issue.args[0]
+        if bf16:
+            assert flat.target is aten._to_copy.default and flat.kwargs["dtype"] == torch.float32
+            flat = flat.args[0]
+        assert flat.target is aten.cat.default, later.unit
+        assert position[earlier.issue] < position[earlier.wait] < position[flat], (earlier.unit, later.unit)
 
 
 @pytest.mark.parametrize("world", [1, 8, 64, 1024])

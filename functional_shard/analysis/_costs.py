@@ -25,6 +25,7 @@ _C10D = torch.ops._c10d_functional
 COLLECTIVE_OPS = frozenset(
     (
         _C10D.all_gather_into_tensor.default,
+        _C10D.all_gather_into_tensor_out.default,
         _C10D.reduce_scatter_tensor.default,
         _C10D.all_to_all_single.default,
         _C10D.all_reduce.default,
@@ -107,6 +108,9 @@ def is_view(node: fx.Node) -> bool:
     return schema is not None and any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
 
 
+_ALLOCATIONS = (torch.ops.aten.empty.memory_format, torch.ops.aten.empty_like.default)
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -115,8 +119,8 @@ def node_cost(node: fx.Node) -> NodeCost:
     """FLOPs and bytes of `node` (0 and 0 for placeholders, outputs, views and collectives)."""
     if node.op != "call_function" or node.target in COLLECTIVE_OPS:
         return NodeCost(0, 0, False)
-    if is_view(node):
-        return NodeCost(0, 0, False, 0, "view")
+    if is_view(node) or node.target in _ALLOCATIONS:
+        return NodeCost(0, 0, False, 0, "view")  # an allocation writes nothing either
     outputs = tensors_of(node.meta.get("val"))
     inputs = [t for a in node.all_input_nodes for t in tensors_of(a.meta.get("val"))]
     traffic = sum(_nbytes(t) for t in inputs) + sum(_nbytes(t) for t in outputs)

@@ -195,7 +195,9 @@ def _categories(nodes: list, storage_of: dict, root: dict, roles: NodeRoles, io)
     gathered_roots, gradient_roots = set(), set()
     for node in nodes:
         if node.op == "call_function" and node.target in _ISSUE:
-            if node.target is _C10D.all_gather_into_tensor.default:
+            if node.target is _C10D.all_gather_into_tensor_out.default:
+                gathered_roots.add(node.kwargs["out"])  # a cast gathered in place: the buffer it was given
+            elif node.target is _C10D.all_gather_into_tensor.default:
                 gathered_roots.add(node)
                 cast = pre_collective_cast(node)
                 if cast is not None:

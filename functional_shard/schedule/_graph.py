@@ -20,6 +20,8 @@ from torch._subclasses.fake_tensor import FakeTensor
 _C10D = torch.ops._c10d_functional
 ISSUE_OPS = {
     _C10D.all_gather_into_tensor.default: "all_gather",
+    # A cast gathered in place (`gather_casts_in_place`): its output is the `out` it was given.
+    _C10D.all_gather_into_tensor_out.default: "all_gather",
     _C10D.reduce_scatter_tensor.default: "reduce_scatter",
     # On gloo a reduce-scatter is an all-to-all and a local sum (see Mesh.reduce_scatter_flat).
     _C10D.all_to_all_single.default: "reduce_scatter",
@@ -320,6 +322,49 @@ def drop_collectives(gm: fx.GraphModule) -> int:
         gm.graph.lint()
         gm.recompile()
     return dropped
+
+
+def gather_casts_in_place(gm: fx.GraphModule, shard_index: int) -> int:
+    """Cast each mixed-precision shard straight into this rank's slot of its all-gather's
+    output, as FSDP2 does, instead of into a copy of its own that the collective's work holds
+    until it is waited for: `_to_copy(shard, dtype) -> all_gather_into_tensor(cast)` becomes
+    `empty(full) -> copy_(slot, shard) -> all_gather_into_tensor_out(slot, out=full)`, where
+    the slot is `shard_index`'s. The same bits (one cast, the same rounding; gloo and NCCL
+    gather in place when the input is the output's own slot), one shard of memory less per
+    gather in flight. The step calls it after the schedule's passes, which move a gather's
+    cast with it (`pre_collective_cast`); returns how many gathers it changed."""
+    changed = 0
+    for c in collectives(gm):
+        cast = pre_collective_cast(c.issue)
+        if c.issue.target is not _C10D.all_gather_into_tensor.default or cast is None or set(cast.kwargs) != {"dtype"}:
+            continue
+        shard, (group_size, group) = cast.args[0], c.issue.args[1:]
+        cast_val, full_val = cast.meta.get("val"), c.issue.meta.get("val")
+        if not isinstance(cast_val, FakeTensor) or not isinstance(full_val, FakeTensor) or cast_val.dim() != 1:
+            continue
+        n = cast_val.numel()
+        graph = gm.graph
+        with graph.inserting_before(c.issue):
+            full = graph.call_function(
+                torch.ops.aten.empty.memory_format, ([group_size * n],), {"dtype": cast.kwargs["dtype"], "device": cast_val.device}
+            )
+            slot = graph.call_function(torch.ops.aten.slice.Tensor, (full, 0, shard_index * n, (shard_index + 1) * n))
+            copied = graph.call_function(torch.ops.aten.copy_.default, (slot, shard))
+            issue = graph.call_function(_C10D.all_gather_into_tensor_out.default, (copied, group_size, group), {"out": full})
+        with cast_val.fake_mode:
+            full.meta["val"] = torch.empty(group_size * n, dtype=cast_val.dtype, device=cast_val.device)
+            slot.meta["val"] = copied.meta["val"] = full.meta["val"][shard_index * n : (shard_index + 1) * n]
+        issue.meta.update(c.issue.meta)
+        issue.meta["val"] = full.meta["val"]
+        c.issue.replace_all_uses_with(issue)
+        graph.erase_node(c.issue)
+        if not cast.users:
+            graph.erase_node(cast)
+        changed += 1
+    if changed:
+        gm.graph.lint()
+        gm.recompile()
+    return changed
 
 
 # With micro-batches each one gathers its own copy of a unit: the tracer labels unit u's
