@@ -311,12 +311,18 @@ def drop_collectives(gm: fx.GraphModule) -> int:
     the identity (an all-gather or reduce-scatter over one shard, a sum over one rank): the
     readers of its wait read the collective's input (the gloo reduce-scatter's local sum over
     one slice then copies it, with the same bits). Returns how many were dropped. The step
-    calls it after the schedule's passes, which find units by their all-gathers."""
+    calls it after the schedule's passes, which find units by their all-gathers. A gather's
+    cast to the gather dtype (`pre_collective_cast`) moves to right before its first reader:
+    with nothing to overlap, a prefetched unit's cast would only be alive early."""
     dropped = 0
+    order = positions(gm)
     for c in collectives(gm):
+        cast = pre_collective_cast(c.issue) if c.kind == "all_gather" else None
         c.wait.replace_all_uses_with(c.issue.args[0])
         gm.graph.erase_node(c.wait)
         gm.graph.erase_node(c.issue)
+        if cast is not None and cast.users:
+            min(cast.users, key=order.__getitem__).prepend(cast)
         dropped += 1
     if dropped:
         gm.graph.lint()
