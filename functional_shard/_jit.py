@@ -21,7 +21,8 @@ import dataclasses
 import os
 import traceback
 import warnings
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import optree
 import torch
@@ -32,11 +33,11 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from . import _mesh, _tracing
 from . import schedule as schedule_lib
-from .schedule._graph import drop_collectives, gather_casts_in_place, microbatch_label
 from ._layout import Layout
 from ._pytree import tree_flatten, tree_paths
+from .schedule._graph import drop_collectives, free_sent_and_received, gather_casts_in_place, microbatch_label
 
-__all__ = ["TraceError", "CacheKey", "FlatIO", "CompiledStep", "Jit"]
+__all__ = ["CacheKey", "CompiledStep", "FlatIO", "Jit", "TraceError"]
 
 
 class TraceError(ValueError):
@@ -168,6 +169,8 @@ class CompiledStep:
         digest: a 63-bit hash of `sequence`, never 0.
         all_gather_bytes / reduce_scatter_bytes: bytes of the full buffers moved per call.
         run: what is called each step (`graph_module`, or its `torch.compile`d form).
+        scheduled: the graph after the schedule's passes, before `lower_for_mesh` (what
+            `fs.analysis.autotune` schedules again: passes must never see lowered nodes).
     """
 
     key: CacheKey
@@ -180,6 +183,7 @@ class CompiledStep:
     all_gather_bytes: int
     reduce_scatter_bytes: int
     run: Callable
+    scheduled: fx.GraphModule | None = None
 
     def explain(self) -> str:
         return schedule_lib.explain(self.events, title=f"schedule of {self.key.describe()}")
@@ -236,12 +240,15 @@ def trace(program: Callable[..., NamedTuple], mesh, key: CacheKey, io: FlatIO, i
     _label_collectives(gm, log)
     for index in io.forward_ends:
         _mark_forward_end(gm, index)
+    return scheduled_step(gm, schedule, mesh, key=key, io=io, guards=list(guards))
+
+
+def scheduled_step(gm: fx.GraphModule, schedule, mesh, *, key: CacheKey, io: FlatIO, guards: list) -> CompiledStep:
+    """Apply `schedule`'s passes to the traced graph `gm` (in place), keep a copy, lower the
+    result for `mesh` (`lower_for_mesh`) and make it a `CompiledStep`."""
     gm = schedule_lib.apply_schedule(gm, schedule, schedule_lib.PassContext.for_mesh(mesh))
-    if mesh.world_size == 1:
-        # One rank: every collective is the identity; run none (no copies, no gathered buffers).
-        drop_collectives(gm)
-    else:
-        gather_casts_in_place(gm, mesh.shard_index)
+    scheduled = copy_graph_module(gm)
+    lower_for_mesh(gm, mesh)
     events = schedule_lib.analyze(gm)
     kinds = {"gather_issued": "all_gather", "reduce_scatter_issued": "reduce_scatter", "all_reduce_issued": "all_reduce"}
     sequence = [f"{kinds[e.event]} of {e.buffer or 'a value'} ({e.nbytes} bytes)" for e in events if e.event in kinds]
@@ -250,14 +257,35 @@ def trace(program: Callable[..., NamedTuple], mesh, key: CacheKey, io: FlatIO, i
         key=key,
         graph_module=gm,
         io=io,
-        guards=list(guards),
+        guards=guards,
         events=events,
         sequence=sequence,
         digest=_mesh._digest("\n".join(sequence)) or 1,
         all_gather_bytes=sum(e.nbytes for e in events if e.event == "gather_issued"),
         reduce_scatter_bytes=sum(e.nbytes for e in events if e.event == "reduce_scatter_issued"),
         run=run,
+        scheduled=scheduled,
     )
+
+
+def lower_for_mesh(gm: fx.GraphModule, mesh) -> None:
+    """What runs after the passes, which must not see it (they move collectives, and these
+    nodes are tied to where a collective sits): with one rank, no collective at all (each is
+    the identity); else mixed-precision casts made in their gather's slot, and the buffers a
+    reduce-scatter sent and received freed at fixed points of the graph."""
+    if mesh.world_size == 1:
+        drop_collectives(gm)
+    else:
+        gather_casts_in_place(gm, mesh.shard_index)
+        free_sent_and_received(gm)
+
+
+def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of `gm`'s graph (the nodes' fake values shared, not copied: passes replace meta
+    entries, never mutate them)."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    return fx.GraphModule(gm, graph)
 
 
 def _label_collectives(gm: fx.GraphModule, log: list[_tracing.Issued]) -> None:

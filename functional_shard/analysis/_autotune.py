@@ -29,12 +29,10 @@ import dataclasses
 import math
 from typing import NamedTuple
 
-import torch
-from torch import fx
-
 from .. import schedule as schedule_lib
+from .._jit import copy_graph_module, scheduled_step
 from .._step import ShardedStep
-from ..schedule import PassContext, Schedule, apply_schedule
+from ..schedule import Schedule
 from ..schedule._graph import unit_of_label
 from ._calibrate import _everyone, calibrate
 from ._machine import Machine
@@ -247,13 +245,12 @@ def autotune(
     labelled = [(f"{own or repr(step.schedule)} (the step's own)", step.schedule)] + [
         (label, s) for label, s in labelled if s != step.schedule
     ]
-    context = PassContext.for_mesh(mesh)
     errors: dict[int, str] = {}
     scheduled: dict[int, object] = {}
     local = []
     for i, (_, schedule) in enumerate(labelled):
         try:
-            scheduled[i] = _scheduled(base, schedule, context)
+            scheduled[i] = _scheduled(base, schedule, mesh)
             local.append(_simulated(scheduled[i], machine))
         except Exception as error:  # noqa: BLE001 - a schedule the passes refuse is a rejected candidate
             errors[i] = f"{type(error).__name__}: {str(error)[:200]}"
@@ -394,18 +391,10 @@ def _unit(region) -> str:
     return unit_of_label(region.unit)
 
 
-def _scheduled(base, schedule: Schedule, context: PassContext):
+def _scheduled(base, schedule: Schedule, mesh):
     """The `CompiledStep` of `schedule`: its passes applied to a copy of the unscheduled graph
-    of `base`, as the jit applies them right after tracing (the nodes' fake values are shared
-    with `base`, not copied: passes replace meta entries, never mutate them)."""
-    graph = fx.Graph()
-    graph.output(graph.graph_copy(base.graph_module.graph, {}))
-    gm = apply_schedule(fx.GraphModule(base.graph_module, graph), schedule, context)
-    events = schedule_lib.analyze(gm)
-    kinds = {"gather_issued": "all_gather", "reduce_scatter_issued": "reduce_scatter", "all_reduce_issued": "all_reduce"}
-    sequence = [f"{kinds[e.event]} of {e.buffer or 'a value'} ({e.nbytes} bytes)" for e in events if e.event in kinds]
-    run = torch.compile(gm, backend="inductor", fullgraph=True, dynamic=False) if schedule.compile else gm
-    return dataclasses.replace(base, graph_module=gm, events=events, sequence=sequence, run=run)
+    of `base`, then lowered, as the jit does right after tracing (`scheduled_step`)."""
+    return scheduled_step(copy_graph_module(base.scheduled), schedule, mesh, key=base.key, io=base.io, guards=base.guards)
 
 
 def _simulated(compiled, machine: Machine) -> tuple[float, float]:

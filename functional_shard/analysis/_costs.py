@@ -18,6 +18,8 @@ import torch
 from torch import fx
 from torch.utils.flop_counter import flop_registry
 
+from ..schedule._graph import release
+
 __all__ = ["NodeCost", "node_cost", "op_class", "tensors_of", "is_view", "COLLECTIVE_OPS", "OP_CLASSES"]
 
 _C10D = torch.ops._c10d_functional
@@ -119,8 +121,8 @@ def node_cost(node: fx.Node) -> NodeCost:
     """FLOPs and bytes of `node` (0 and 0 for placeholders, outputs, views and collectives)."""
     if node.op != "call_function" or node.target in COLLECTIVE_OPS:
         return NodeCost(0, 0, False)
-    if is_view(node) or node.target in _ALLOCATIONS:
-        return NodeCost(0, 0, False, 0, "view")  # an allocation writes nothing either
+    if is_view(node) or node.target in _ALLOCATIONS or node.target is release:
+        return NodeCost(0, 0, False, 0, "view")  # allocating or freeing memory moves no data either
     outputs = tensors_of(node.meta.get("val"))
     inputs = [t for a in node.all_input_nodes for t in tensors_of(a.meta.get("val"))]
     traffic = sum(_nbytes(t) for t in inputs) + sum(_nbytes(t) for t in outputs)

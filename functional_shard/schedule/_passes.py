@@ -29,8 +29,8 @@ from ._graph import (
     move_before,
     move_early,
     move_issue_before,
-    _is_cheap,
     pre_collective_cast,
+    preparation,
     positions,
     tag,
     unit_of_label,
@@ -289,31 +289,6 @@ def _wait_before_later_issue(gm: fx.GraphModule, ordered: list[Collective], k: i
             move_before([c.wait], anchor)
             position = positions(gm)
     _finish_local_sums(gm)
-
-
-def preparation(issue: fx.Node) -> fx.Node:
-    """The first node of the run of copies right before `issue` that only build its buffer
-    (a flat gradient's `cat`, its cast to the reduce dtype, padding, views), or `issue` itself.
-
-    A collective that must be waited before `issue` is waited before these instead: they are
-    cheap, and the buffers it frees (a full gradient sent, the slices received) are then gone
-    before the new buffer is made, instead of alive beside it."""
-    feeds = {issue}
-    start = issue
-    node = issue.prev
-    while node.op == "call_function" and node.users and all(u in feeds for u in node.users) and (
-        _is_building_copy(node)
-    ):
-        feeds.add(node)
-        start = node
-        node = node.prev
-    return start
-
-
-def _is_building_copy(node: fx.Node) -> bool:
-    return node.target in (torch.ops.aten.cat.default, torch.ops.aten._to_copy.default, torch.ops.aten.zeros.default) or (
-        _is_cheap(node)
-    )
 
 
 def _finish_local_sums(gm: fx.GraphModule) -> None:
