@@ -15,6 +15,7 @@ from typing import Iterable, NamedTuple
 import torch
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.multiprocessing.reductions import StorageWeakRef
 
 
 _C10D = torch.ops._c10d_functional
@@ -437,8 +438,14 @@ def free_sent_and_received(gm: fx.GraphModule) -> int:
 
 
 def _owns_storage(node: fx.Node) -> bool:
-    """A computed tensor with a storage of its own (not a step input, not a view of another)."""
-    return node.op == "call_function" and _is_pure(node) and not _is_view(node) and isinstance(node.meta.get("val"), torch.Tensor)
+    """A computed tensor with a storage of its own (not a step input, not a view of another,
+    also where the schema does not say so: `_unsafe_view` shares its input's storage)."""
+    value = node.meta.get("val")
+    if node.op != "call_function" or not _is_pure(node) or _is_view(node) or not isinstance(value, torch.Tensor):
+        return False
+    mine = StorageWeakRef(value.untyped_storage())
+    inputs = [i.meta.get("val") for i in node.all_input_nodes]
+    return not any(isinstance(v, torch.Tensor) and StorageWeakRef(v.untyped_storage()) == mine for v in inputs)
 
 
 # With micro-batches each one gathers its own copy of a unit: the tracer labels unit u's

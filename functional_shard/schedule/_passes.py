@@ -285,7 +285,9 @@ def _wait_before_later_issue(gm: fx.GraphModule, ordered: list[Collective], k: i
     position = positions(gm)
     for c, later in zip(ordered, ordered[k:]):
         anchor = preparation(later.issue)
-        if position[c.wait] > position[anchor] > position[c.issue]:
+        if position[anchor] <= position[c.issue]:
+            anchor = later.issue
+        if position[c.wait] > position[anchor]:
             move_before([c.wait], anchor)
             position = positions(gm)
     _finish_local_sums(gm)
