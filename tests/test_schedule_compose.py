@@ -25,6 +25,7 @@ from functional_shard.schedule import (
     PassContext,
     bucket_gathers,
     early_reduce_scatter,
+    early_update,
     limit_in_flight,
     prefetch,
     reshard_after_forward,
@@ -44,6 +45,7 @@ def test_schedule_expands_to_its_default_pass_list():
         early_reduce_scatter(),
         bucket_gathers(1024),
         limit_in_flight(),
+        early_update(),
     )
     assert fs.Schedule().pass_list == fs.schedule.default_passes()
     assert repr(prefetch(2)) == "prefetch(distance=2)"
@@ -55,7 +57,7 @@ def test_plain_functions_are_wrapped_and_explicit_lists_keep_their_order():
         return gm
 
     extra = fs.Schedule(prefetch=0, extra_passes=(noop,)).pass_list
-    assert extra[-2:] == (fs.schedule.function_pass(noop), limit_in_flight())  # before the mesh's bound
+    assert extra[-3:] == (fs.schedule.function_pass(noop), limit_in_flight(), early_update())  # before the mesh's bound
     assert "function_pass(test_plain_functions_are_wrapped_and_explicit_lists_keep_their_order.<locals>.noop)" in repr(extra)
     explicit = fs.Schedule(passes=[noop, prefetch(0)]).pass_list
     assert explicit == (fs.schedule.function_pass(noop), prefetch(0))

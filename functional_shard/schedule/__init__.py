@@ -2,8 +2,8 @@
 
 A traced step is one `torch.fx` graph: per-unit all-gathers, forward, backward (with a
 reduce-scatter per unit), optimizer update. A *pass* moves collective nodes (never the
-computation; `rematerialize` repeats some of it, op for op), so every schedule computes the
-same bits. Passes are values — small frozen dataclasses called as `pass_(gm, context) -> gm`
+computation; `rematerialize` repeats some of it, op for op; `early_update` runs the optimizer's
+in-place update earlier, its order constraints kept), so every schedule computes the same bits. Passes are values — small frozen dataclasses called as `pass_(gm, context) -> gm`
 — and a schedule is an ordered list of them, in the spirit of optax's `chain`: reorder,
 replace or drop the built-in ones, add your own.
 
@@ -14,6 +14,8 @@ replace or drop the built-in ones, add your own.
   (what the mesh allows: `max_collectives_in_flight`, world size, shards);
 - rematerialization (`_remat.py`): `rematerialize`, the one pass that adds computation — it
   recomputes chosen units' forward values before their backward (same bits, less memory);
+- the update (`_update.py`): `early_update`, each unit's in-place optimizer update as soon as
+  its gradient is reduced (the default list's last pass);
 - graph tools (`_graph.py`): the typed record of each collective (`CollectiveTag`, `tag`,
   `tag_of`), the end of the forward (`mark_forward_end`, `forward_end`), `collectives(gm)`,
   `aliases`, `uses`, `move_before`, `move_early`;
@@ -51,6 +53,7 @@ from ._passes import limit_in_flight as limit_in_flight
 from ._passes import prefetch as prefetch
 from ._passes import reshard_after_forward as reshard_after_forward
 from ._remat import rematerialize as rematerialize
+from ._update import early_update as early_update
 from ._schedule import Schedule as Schedule
 from ._schedule import apply_schedule as apply_schedule
 from ._schedule import default_passes as default_passes
@@ -71,6 +74,7 @@ __all__ = [
     "bucket_reduce_scatters",
     "limit_in_flight",
     "rematerialize",
+    "early_update",
     # graph tools
     "CollectiveTag",
     "Member",

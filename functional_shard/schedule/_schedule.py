@@ -13,6 +13,7 @@ from ._context import Pass, PassContext, as_pass
 from ._graph import fill_values
 from ._passes import _FrozenMapping
 from ._remat import rematerialize
+from ._update import early_update
 
 
 def default_passes(
@@ -34,6 +35,7 @@ def default_passes(
         bucket_gathers(bucket_bytes),        # only when bucket_bytes > 0
         *extra_passes,                       # plain functions gm -> gm are wrapped
         limit_in_flight(),                   # the mesh's max_collectives_in_flight
+        early_update(),                      # moves no collective: runs after the bound
 
     `rematerialize` comes first because it adds computation to the backward that reads the
     units' gathered parameters: `reshard_after_forward` then gives those reads, like every
@@ -49,7 +51,7 @@ def default_passes(
     ]
     if bucket_bytes:
         passes.append(_passes.bucket_gathers(bucket_bytes))
-    return (*passes, *(as_pass(p) for p in extra_passes), _passes.limit_in_flight())
+    return (*passes, *(as_pass(p) for p in extra_passes), _passes.limit_in_flight(), early_update())
 
 
 @dataclasses.dataclass(frozen=True)
