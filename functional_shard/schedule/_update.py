@@ -18,9 +18,9 @@ its wait), and every node stays after the nodes that wrote what it reads. So the
 the bits, are those of the trace's order. What never moves: collectives and their waits (the
 gradient norm's all-reduce stays where it is, so what depends on it — clipping — stays after
 it), the forward and backward (everything a reduce-scatter reads), and any node whose result
-(other than a scalar: the step count, a unit's squared norm) would then live longer (with an out-of-place update the new state is
-allocated, not written in place: moving it early would keep it alive through the backward, so
-that update stays at the end).
+(other than a scalar: the step count, a unit's squared norm) would then live longer (with an
+out-of-place update the new state is allocated, not written in place: moving it early would
+keep it alive through the backward, so that update stays at the end).
 """
 
 from __future__ import annotations
@@ -34,8 +34,6 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from ._context import Pass, PassContext
 from ._graph import ISSUE_OPS, WAIT_OP, _is_building_copy, _is_view, _schema, positions
-
-
 
 @dataclasses.dataclass(frozen=True)
 class early_update(Pass):
@@ -56,7 +54,7 @@ class early_update(Pass):
         movable = _movable(nodes, positions(gm)[floor], constraints)
         if not movable:
             return gm
-        followers = _followers(nodes, constraints, movable)
+        followers = _followers(nodes, constraints, movable, same)
         placed_after: dict[fx.Node, fx.Node] = {}
         for node in nodes:
             if node not in movable or node in followers:
@@ -152,14 +150,21 @@ def _allocates(node: fx.Node) -> bool:
     return isinstance(value, torch.Tensor) and value.numel() > 1 and not _is_view(node) and not _writes(node)
 
 
-def _followers(nodes: list[fx.Node], constraints: dict, movable: set[fx.Node]) -> set[fx.Node]:
-    """The movable nodes made from the step's inputs alone, which nothing writes before them
-    (`zeros`, the learning rate cast to the state's dtype): each follows its first reader
-    rather than moving to the top of the graph, where it would be alive through the backward."""
+def _followers(nodes: list[fx.Node], constraints: dict, movable: set[fx.Node], same: dict) -> set[fx.Node]:
+    """The movable nodes made from the step's inputs alone (`zeros`, the learning rate cast to
+    the state's dtype, a view of a shard): each follows its first reader rather than moving to
+    the top of the graph, where it would be alive through the backward. Following its reader
+    may move it later, so one that computes must read nothing the step writes in place."""
+    written = set()
+    for node in nodes:
+        for w in _writes(node):
+            written |= _storages(w, same)
     followers: set[fx.Node] = set()
     for node in nodes:
         if node in movable and all(a.op == "placeholder" or a in followers for a in constraints[node]):
-            followers.add(node)
+            reads = set().union(*(_storages(i, same) for i in node.all_input_nodes)) if node.all_input_nodes else set()
+            if _is_view(node) or not reads & written:
+                followers.add(node)
     return followers
 
 
