@@ -22,7 +22,8 @@ import functional_shard as fs
 from functional_shard.models import GPT, GPTConfig
 from functional_shard.schedule import collectives
 from functional_shard.schedule._graph import positions
-from functional_shard.schedule._update import _allocates, _writes
+from functional_shard.schedule._remat import written_inputs
+from functional_shard.schedule._update import _allocates
 
 from test_step import build, cross_entropy, global_batch, local_batch
 
@@ -69,14 +70,14 @@ def _state_written_before_last_scatter(gm) -> tuple[int, int, int]:
         while node.op != "placeholder":
             if not node.args or not isinstance(node.args[0], torch.fx.Node):
                 return None
-            if not (_writes(node) or node.target is torch.ops.aten.detach.default):
+            if not (written_inputs(node) or node.target is torch.ops.aten.detach.default):
                 return None
             node = node.args[0]
         return node
 
     last_write = {}
     for node in gm.graph.nodes:
-        if _writes(node):
+        if written_inputs(node):
             written = written_input(node)
             if written is not None:
                 last_write[written] = position[node]

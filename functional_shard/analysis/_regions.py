@@ -22,6 +22,7 @@ import torch
 from torch import fx
 
 from .. import schedule as schedule_lib
+from ..schedule._graph import ancestors
 from ._costs import is_view
 
 __all__ = ["Region", "NodeRoles", "node_roles", "gradient_sources", "GRADIENT_PLUMBING"]
@@ -110,13 +111,7 @@ def node_roles(gm: fx.GraphModule) -> NodeRoles:
             update_unit[node] = named[0] if len(set(named)) == 1 else ""
     # Nodes after the forward that no reduce-scatter depends on and that run once the update
     # has begun (the loss's sum over micro-batches, constants of the update) belong to it.
-    gradient_ancestors: set[fx.Node] = set()
-    stack = [c.issue for c in collectives if c.kind == "reduce_scatter"]
-    while stack:
-        node = stack.pop()
-        if node not in gradient_ancestors:
-            gradient_ancestors.add(node)
-            stack.extend(node.all_input_nodes)
+    gradient_ancestors = ancestors(c.issue for c in collectives if c.kind == "reduce_scatter")
     update_start = min((position[n] for n in update_root_unit), default=len(nodes))
     for node in nodes:
         i = position[node]

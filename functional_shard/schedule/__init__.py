@@ -3,9 +3,10 @@
 A traced step is one `torch.fx` graph: per-unit all-gathers, forward, backward (with a
 reduce-scatter per unit), optimizer update. A *pass* moves collective nodes (never the
 computation; `rematerialize` repeats some of it, op for op; `early_update` runs the optimizer's
-in-place update earlier, its order constraints kept), so every schedule computes the same bits. Passes are values — small frozen dataclasses called as `pass_(gm, context) -> gm`
-— and a schedule is an ordered list of them, in the spirit of optax's `chain`: reorder,
-replace or drop the built-in ones, add your own.
+in-place update earlier, its order constraints kept), so every schedule computes the same bits.
+Passes are values — small frozen dataclasses called as `pass_(gm, context) -> gm` — and a
+schedule is an ordered list of them, in the spirit of optax's `chain`: reorder, replace or drop
+the built-in ones, add your own.
 
 - config (`_schedule.py`): `Schedule` (the convenient form expands to `default_passes(...)`,
   read back as `schedule.pass_list`), `apply_schedule(gm, schedule, context)`;

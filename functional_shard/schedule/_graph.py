@@ -226,6 +226,18 @@ def _is_pure(node: fx.Node) -> bool:
     return schema is not None and not schema.is_mutable and node.target not in ISSUE_OPS and node.target is not WAIT_OP
 
 
+def ancestors(roots: Iterable[fx.Node]) -> set[fx.Node]:
+    """`roots` and every node they read, directly or not."""
+    found: set[fx.Node] = set()
+    stack = list(roots)
+    while stack:
+        node = stack.pop()
+        if node not in found:
+            found.add(node)
+            stack.extend(node.all_input_nodes)
+    return found
+
+
 _CHEAP = {torch.ops.aten.cat.default, torch.ops.aten.zeros.default, torch.ops.aten.full.default}
 
 

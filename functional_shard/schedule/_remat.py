@@ -231,6 +231,19 @@ def _nodes_in(value) -> list[fx.Node]:
     return []
 
 
+def written_inputs(node: fx.Node) -> list[fx.Node]:
+    """The input nodes a call writes in place: its schema's written arguments (an `out=`, the
+    self of `mul_`, each tensor of a `_foreach_*_` list) and `_UNDECLARED_WRITES`."""
+    schema = _schema(node)
+    if schema is None:
+        return []
+    written = [n for i in _UNDECLARED_WRITES.get(node.target, ()) for n in _nodes_in(node.args[i] if i < len(node.args) else None)]
+    for argument, value in _arguments(node, schema):
+        if argument.alias_info is not None and argument.alias_info.is_write:
+            written += _nodes_in(value)
+    return written
+
+
 def _storages(gm: fx.GraphModule, position: dict) -> tuple[dict[fx.Node, fx.Node], dict[fx.Node, int]]:
     """(node -> the node whose storage its output lives in, storage -> position of its last write)."""
     root: dict[fx.Node, fx.Node] = {}
@@ -245,17 +258,14 @@ def _storages(gm: fx.GraphModule, position: dict) -> tuple[dict[fx.Node, fx.Node
         schema = _schema(node)
         if schema is None:
             continue
-        for i in _UNDECLARED_WRITES.get(node.target, ()):
-            for n in _nodes_in(node.args[i] if i < len(node.args) else None):
-                last_write[root[n]] = position[node]
+        for n in written_inputs(node):
+            last_write[root[n]] = position[node]
         returned = set().union(*(r.alias_info.before_set for r in schema.returns if r.alias_info is not None))
         for argument, value in _arguments(node, schema):
             info = argument.alias_info
             if info is None:
                 continue
             for n in _nodes_in(value):
-                if info.is_write:
-                    last_write[root[n]] = position[node]
                 if info.before_set & returned and root[node] is node:
                     root[node] = root[n]
     return root, last_write

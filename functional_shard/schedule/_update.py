@@ -33,7 +33,9 @@ from torch import fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ._context import Pass, PassContext
-from ._graph import ISSUE_OPS, WAIT_OP, _is_building_copy, _is_view, _schema, positions
+from ._graph import ISSUE_OPS, WAIT_OP, _is_building_copy, _is_view, _schema, ancestors, positions
+from ._remat import written_inputs
+
 
 @dataclasses.dataclass(frozen=True)
 class early_update(Pass):
@@ -89,9 +91,9 @@ def _sink_temporaries(gm: fx.GraphModule, movable: set[fx.Node], same: dict) -> 
             continue
         position = positions(gm)
         first = min(node.users, key=position.__getitem__)
-        reads = set().union(*(_storages(i, same) for i in node.all_input_nodes)) if node.all_input_nodes else set()
+        reads = _storages_of(node.all_input_nodes, same)
         between = list(gm.graph.nodes)[position[node] + 1 : position[first]]
-        if any(reads & set().union(*(_storages(w, same) for w in _writes(b))) for b in between if _writes(b)):
+        if any(reads & _storages_of(written_inputs(b), same) for b in between):
             continue
         if any(b.op != "call_function" or b.target in ISSUE_OPS or b.target is WAIT_OP for b in between):
             continue
@@ -103,13 +105,7 @@ def _movable(nodes: list[fx.Node], floor: int, constraints: dict) -> set[fx.Node
     reduce-scatter, no collective, an aten op or getitem, and no new tensor (other than a
     scalar) that would then be alive past the place it was made at — where a reader of it
     cannot move as early (it waits for a new tensor of the out-of-place update), it stays."""
-    gradient = set()
-    stack = [n for n in nodes if ISSUE_OPS.get(n.target) == "reduce_scatter"]
-    while stack:
-        n = stack.pop()
-        if n not in gradient:
-            gradient.add(n)
-            stack.extend(n.all_input_nodes)
+    gradient = ancestors(n for n in nodes if ISSUE_OPS.get(n.target) == "reduce_scatter")
     movable = {
         n for i, n in enumerate(nodes)
         if i > floor and n.op == "call_function" and n not in gradient and n.target not in ISSUE_OPS
@@ -138,7 +134,7 @@ def _readers_of_result(node: fx.Node) -> set[fx.Node]:
         for user in current.users:
             if user not in found:
                 found.add(user)
-                if _is_view(user) or current in _writes(user):
+                if _is_view(user) or current in written_inputs(user):
                     frontier.append(user)
     return {n for n in found if not _is_view(n)}
 
@@ -147,7 +143,7 @@ def _allocates(node: fx.Node) -> bool:
     """Whether `node`'s result is a new tensor of more than one element (not a scalar, not a
     view or an in-place result, which alias an input)."""
     value = node.meta.get("val")
-    return isinstance(value, torch.Tensor) and value.numel() > 1 and not _is_view(node) and not _writes(node)
+    return isinstance(value, torch.Tensor) and value.numel() > 1 and not _is_view(node) and not written_inputs(node)
 
 
 def _followers(nodes: list[fx.Node], constraints: dict, movable: set[fx.Node], same: dict) -> set[fx.Node]:
@@ -155,32 +151,13 @@ def _followers(nodes: list[fx.Node], constraints: dict, movable: set[fx.Node], s
     the state's dtype, a view of a shard): each follows its first reader rather than moving to
     the top of the graph, where it would be alive through the backward. Following its reader
     may move it later, so one that computes must read nothing the step writes in place."""
-    written = set()
-    for node in nodes:
-        for w in _writes(node):
-            written |= _storages(w, same)
+    written = _storages_of((w for node in nodes for w in written_inputs(node)), same)
     followers: set[fx.Node] = set()
     for node in nodes:
         if node in movable and all(a.op == "placeholder" or a in followers for a in constraints[node]):
-            reads = set().union(*(_storages(i, same) for i in node.all_input_nodes)) if node.all_input_nodes else set()
-            if _is_view(node) or not reads & written:
+            if _is_view(node) or not _storages_of(node.all_input_nodes, same) & written:
                 followers.add(node)
     return followers
-
-
-def _writes(node: fx.Node) -> list[fx.Node]:
-    """The inputs a node writes in place (its schema's mutable arguments)."""
-    schema = _schema(node)
-    if schema is None or not schema.is_mutable:
-        return []
-    written = []
-    for i, argument in enumerate(schema.arguments):
-        if argument.alias_info is None or not argument.alias_info.is_write:
-            continue
-        value = node.args[i] if i < len(node.args) else node.kwargs.get(argument.name)
-        if isinstance(value, fx.Node):
-            written.append(value)
-    return written
 
 
 def _storages(node: fx.Node, same: dict | None = None) -> set:
@@ -188,9 +165,12 @@ def _storages(node: fx.Node, same: dict | None = None) -> set:
     value = node.meta.get("val")
     values = value if isinstance(value, (list, tuple)) else [value]
     found = {StorageWeakRef(v.untyped_storage()) for v in values if isinstance(v, torch.Tensor)}
-    if same:
-        found = set().union(*(same.get(s, {s}) for s in found)) if found else found
-    return found
+    return {t for s in found for t in (same or {}).get(s, {s})}
+
+
+def _storages_of(nodes, same: dict) -> set:
+    """The storages of all `nodes`' results."""
+    return set().union(*(_storages(n, same) for n in nodes))
 
 
 def _identity_storages(nodes: list[fx.Node]) -> dict:
@@ -216,11 +196,10 @@ def _ordering(nodes: list[fx.Node], same: dict) -> dict[fx.Node, list[fx.Node]]:
     readers_since: dict = {}
     must_follow: dict[fx.Node, list[fx.Node]] = {}
     for node in nodes:
-        reads = set().union(*(_storages(i, same) for i in node.all_input_nodes)) if node.all_input_nodes else set()
+        reads = _storages_of(node.all_input_nodes, same)
         if node.target is WAIT_OP and isinstance(node.args[0], fx.Node):
-            for i in node.args[0].all_input_nodes:
-                reads |= _storages(i, same)
-        writes = set().union(*(_storages(w, same) for w in _writes(node))) if _writes(node) else set()
+            reads |= _storages_of(node.args[0].all_input_nodes, same)
+        writes = _storages_of(written_inputs(node), same)
         follow = list(node.all_input_nodes)
         follow += [last_writer[s] for s in reads | writes if s in last_writer]
         for s in writes:
