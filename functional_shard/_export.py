@@ -26,7 +26,7 @@ from ._collectives import gather_bytes
 from ._layout import Layout
 from ._pytree import NAMESPACE, path_string, tree_map
 from ._shard import Sharded, _check_shards, gather
-from ._step import StepState
+from ._step import StepState, check_not_donated
 from ._tree import ModuleParams
 
 __all__ = ["export", "state_dict_names", "ExportError"]
@@ -108,6 +108,8 @@ def export(state: StepState | Sharded, path: str | os.PathLike | None = None, *,
     place, or raises `ExportError` on every rank (e.g. a dtype safetensors cannot store,
     named with its leaf, before anything is gathered).
     """
+    if isinstance(state, StepState):
+        check_not_donated(state, "fs.export")
     sharded = state.params if isinstance(state, StepState) else state
     if not isinstance(sharded, Sharded):
         raise TypeError(f"export expects a StepState or a Sharded; got {type(state).__name__}")

@@ -37,13 +37,27 @@ __all__ = ["StepState", "ShardedStep", "sharded_step", "StepError"]
 class _StepKey:
     """Identifies the `ShardedStep` that made a state (compared by identity)."""
 
-    __slots__ = ("description", "__weakref__")
+    __slots__ = ("description", "donated", "__weakref__")
 
     def __init__(self, description: str):
         self.description = description
+        # States the step took in place (donate=True): their tensors now hold the values of
+        # the states it returned, so nothing may read them again (a step, a save, an export).
+        self.donated: weakref.WeakSet[StepState] = weakref.WeakSet()
 
     def __repr__(self) -> str:
         return f"<step {self.description}>"
+
+
+def check_not_donated(state: "StepState", what: str) -> None:
+    """Raises StepError if `state` was donated to a step (`donate=True`): its tensors were
+    updated in place and now hold the values of the state that step returned."""
+    if state in state._key.donated:
+        raise StepError(
+            f"{what}: this state (step {state.step}) was donated to a step made with donate=True, which "
+            f"updated its tensors in place for the state it returned (step {state.step + 1}): use the "
+            "returned state"
+        )
 
 
 @pytree_dataclass
@@ -147,8 +161,6 @@ class ShardedStep:
         self._eval_jit = Jit(self._evaluate, "step.evaluate", mesh, schedule, max_traces=max_traces)
         name = getattr(loss_fn, "__qualname__", type(loss_fn).__name__)
         self._key = _StepKey(f"{name} at 0x{id(self):x} on {mesh!r}")
-        # States this step has taken in place (donate=True): they may not be used again.
-        self._donated: weakref.WeakSet[StepState] = weakref.WeakSet()
 
     def __repr__(self) -> str:
         return f"ShardedStep({self._key.description}, {self.schedule})"
@@ -249,7 +261,7 @@ class ShardedStep:
                 out, compiled = self._jit.run(sharded.layout, sharded.shards, rest, batch)
                 moved = compiled.all_gather_bytes, compiled.reduce_scatter_bytes
         if self.donate:
-            self._donated.add(state)
+            self._key.donated.add(state)
         new_state = StepState(
             sharded.replace(shards=out.shards, local=out.local), out.opt_state, out.loss_scale, state.rng, state.step + 1, self._key
         )
@@ -269,7 +281,7 @@ class ShardedStep:
         `local_loss`, and `aux` with `has_aux=True`. A collective. `state` is not modified;
         module buffers the forward updates (BatchNorm in train mode) are discarded.
         """
-        self._check_state(state)
+        self._check_state(state, "step.evaluate(state, batch)")
         sharded = state.params
         with self._random_stream(state):
             if not self.schedule.trace:
@@ -309,9 +321,9 @@ class ShardedStep:
             metrics["aux"] = aux
         return metrics
 
-    def _check_state(self, state: StepState) -> None:
+    def _check_state(self, state: StepState, what: str = "step(state, batch)") -> None:
         if not isinstance(state, StepState):
-            raise StepError(f"step(state, batch) expects the StepState made by step.init; got {type(state).__name__}")
+            raise StepError(f"{what} expects the StepState made by step.init; got {type(state).__name__}")
         if state.params.mesh is not self.mesh:
             raise StepError(
                 f"this state was made for another mesh object ({state.params.mesh!r}, id 0x{id(state.params.mesh):x}) "
@@ -324,11 +336,7 @@ class ShardedStep:
                 f"{self._key.description}. A state belongs to the step that made it: call this step's "
                 f"init(params), e.g. with fs.export(old_state)"
             )
-        if state in self._donated:
-            raise StepError(
-                "this state was donated to a step made with donate=True, which updated its tensors in place "
-                "for the state it returned: use the returned state"
-            )
+        check_not_donated(state, what)
         _check_shards(state.params)
 
     def grad(self, state: StepState, batch: Any) -> tuple[Sharded, dict[str, Any]]:
@@ -339,7 +347,7 @@ class ShardedStep:
         gradient, hold zeros. `fs.gather(grads)` is the full gradient pytree on every rank.
         A collective, like the step. `state` is not modified.
         """
-        self._check_state(state)
+        self._check_state(state, "step.grad(state, batch)")
         sharded = state.params
         self.mesh.agree("step.grad")
         with self._random_stream(state), torch.no_grad():
@@ -457,8 +465,8 @@ def sharded_step(
         has_aux: `loss_fn` returns `(loss, aux)`; `aux` comes back in `metrics["aux"]`.
         donate: the step may update the state's parameter shards and optimizer state in place
             (as FSDP and `torch.optim` do) instead of copying them: about 12 bytes per
-            parameter and rank less peak memory. The state passed in is then used up: it
-            raises if passed again. An error before the update (in `loss_fn`, say) still
+            parameter and rank less peak memory. The state passed in is then used up: a
+            step, `evaluate`, `grad`, `fs.export` or `fs.checkpoint.save` given it raises. An error before the update (in `loss_fn`, say) still
             leaves it untouched; without donation no error can touch it.
         max_traces: traced graphs kept (one per batch signature: shapes, dtypes, static
             values); past it the least recently used is dropped and a warning names what in

@@ -265,6 +265,15 @@ def donation(mesh):
         )
         with pytest.raises(fs.StepError, match="donated"):
             step(first, local_batch(global_batch("gpt", mesh.world_size, 0), mesh.rank))
+        # Nothing else reads a donated state either: its tensors hold the returned state's values.
+        for read in (
+            lambda: step.evaluate(first, local_batch(global_batch("gpt", mesh.world_size, 0), mesh.rank)),
+            lambda: fs.export(first),
+            lambda: fs.checkpoint.save("/nonexistent/never-written", first),
+        ):
+            with pytest.raises(fs.StepError, match=r"donated .* \(step 1\)"):
+                read()
+        fs.export(state)  # the returned state is fine (and every rank is still in step)
     return out
 
 

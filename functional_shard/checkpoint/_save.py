@@ -13,7 +13,7 @@ import torch
 from .._layout import Layout
 from .._mesh import BaseMesh, _coordinates
 from .._shard import _check_shards
-from .._step import StepState
+from .._step import StepState, check_not_donated
 from . import _files
 from ._format import (
     FORMAT,
@@ -60,6 +60,7 @@ def save(path: str | os.PathLike, state: StepState, *, overwrite: bool = False) 
     """
     if not isinstance(state, StepState):
         raise TypeError(f"fs.checkpoint.save expects the StepState of a sharded step; got {type(state).__name__}")
+    check_not_donated(state, "fs.checkpoint.save")
     _check_shards(state.params)
     layout, mesh = state.params.layout, state.params.mesh
     mesh.agree(OPERATION)
