@@ -35,7 +35,8 @@ from . import _mesh, _tracing
 from . import schedule as schedule_lib
 from ._layout import Layout
 from ._pytree import tree_flatten, tree_paths
-from .schedule._graph import drop_collectives, free_sent_and_received, gather_casts_in_place, microbatch_label
+from .schedule._graph import microbatch_label
+from .schedule._lower import drop_collectives, free_sent_and_received, gather_casts_in_place, gradients_in_place
 
 __all__ = ["CacheKey", "CompiledStep", "FlatIO", "Jit", "TraceError"]
 
@@ -248,7 +249,7 @@ def scheduled_step(gm: fx.GraphModule, schedule, mesh, *, key: CacheKey, io: Fla
     result for `mesh` (`lower_for_mesh`) and make it a `CompiledStep`."""
     gm = schedule_lib.apply_schedule(gm, schedule, schedule_lib.PassContext.for_mesh(mesh))
     scheduled = copy_graph_module(gm)
-    lower_for_mesh(gm, mesh)
+    lower_for_mesh(gm, mesh, in_place=not schedule.compile)
     events = schedule_lib.analyze(gm)
     kinds = {"gather_issued": "all_gather", "reduce_scatter_issued": "reduce_scatter", "all_reduce_issued": "all_reduce"}
     sequence = [f"{kinds[e.event]} of {e.buffer or 'a value'} ({e.nbytes} bytes)" for e in events if e.event in kinds]
@@ -268,16 +269,22 @@ def scheduled_step(gm: fx.GraphModule, schedule, mesh, *, key: CacheKey, io: Fla
     )
 
 
-def lower_for_mesh(gm: fx.GraphModule, mesh) -> None:
-    """What runs after the passes, which must not see it (they move collectives, and these
-    nodes are tied to where a collective sits): with one rank, no collective at all (each is
-    the identity); else mixed-precision casts made in their gather's slot, and the buffers a
-    reduce-scatter sent and received freed at fixed points of the graph."""
+def lower_for_mesh(gm: fx.GraphModule, mesh, *, in_place: bool = True) -> None:
+    """What runs after the passes, which must not see it (schedule/_lower.py: they move
+    collectives, and these nodes are tied to where a collective sits): with one rank, no
+    collective at all (each is the identity); else mixed-precision casts made in their
+    gather's slot, and the buffers a reduce-scatter sent and received freed at fixed points
+    of the graph; then, unless inductor compiles the graph (it plans its own buffers,
+    `in_place=False`), gradients computed straight into their unit's flat buffer."""
     if mesh.world_size == 1:
         drop_collectives(gm)
     else:
         gather_casts_in_place(gm, mesh.shard_index)
         free_sent_and_received(gm)
+    if in_place:
+        from .analysis._memory import memory_timeline  # analysis reads schedules: imported late
+
+        gradients_in_place(gm, memory_timeline)
 
 
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:

@@ -232,6 +232,8 @@ class BaseMesh:
         its next step) meet in this one small all-gather instead of pairing one's collectives
         with the other's, and raise `MeshError` on every rank, naming what each rank called.
         """
+        if self.world_size == 1:
+            return [value]  # no one to disagree with (and no collective to pair wrongly)
         everyone = self.all_gather_world(torch.tensor([_digest(operation), value], dtype=torch.int64))
         codes, values = everyone.view(self.world_size, 2).t().tolist()
         if len(set(codes)) > 1:

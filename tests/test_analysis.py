@@ -92,8 +92,16 @@ def test_a_reduce_scatter_is_waited_before_the_next_ones_buffer_is_built(bf16):
         if bf16:
             assert flat.target is aten._to_copy.default and flat.kwargs["dtype"] == torch.float32
             flat = flat.args[0]
-        assert flat.target is aten.cat.default, later.unit
-        assert position[earlier.issue] < position[earlier.wait] < position[flat], (earlier.unit, later.unit)
+        if flat.target is aten.cat.default:
+            built = [flat]
+        else:
+            # Computed into its buffer (`gradients_in_place`, where that does not raise the
+            # peak): the copies of the rest (layer norms, padding) are where the cat was.
+            assert flat.target is aten.empty.memory_format, later.unit
+            built = [c for s in flat.users if s.target is aten.slice.Tensor for c in s.users if c.target is aten.copy_.default]
+            assert built and any(s.target is aten.view.default for s in flat.users for s in s.users)
+        for node in built:
+            assert position[earlier.issue] < position[earlier.wait] < position[node], (earlier.unit, later.unit)
 
 
 @pytest.mark.parametrize("world", [1, 8, 64, 1024])
@@ -244,7 +252,7 @@ def _release_and_local_sums(mesh):
     state = step.init(params)
     tokens = torch.zeros(2, 32, dtype=torch.long)
     gm = step.lower(state, (tokens, tokens)).graph_module
-    release = fs.schedule._graph.release
+    release = fs.schedule._lower.release
     found = []
     for c in fs.schedule.collectives(gm):
         if c.kind != "reduce_scatter":

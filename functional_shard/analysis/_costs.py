@@ -18,7 +18,7 @@ import torch
 from torch import fx
 from torch.utils.flop_counter import flop_registry
 
-from ..schedule._graph import release
+from ..schedule._lower import release
 
 __all__ = ["NodeCost", "node_cost", "op_class", "tensors_of", "is_view", "COLLECTIVE_OPS", "OP_CLASSES"]
 

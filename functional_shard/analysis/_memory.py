@@ -31,7 +31,7 @@ from ..schedule._graph import pre_collective_cast
 from ._costs import COLLECTIVE_OPS, is_view, tensors_of
 from ._regions import GRADIENT_PLUMBING, NodeRoles, gradient_sources
 
-__all__ = ["MemoryBreakdown", "MemoryEstimate", "estimate_memory", "CATEGORIES"]
+__all__ = ["MemoryBreakdown", "MemoryEstimate", "estimate_memory", "memory_timeline", "CATEGORIES"]
 
 _C10D = torch.ops._c10d_functional
 _ISSUE = COLLECTIVE_OPS - {_C10D.wait_tensor.default}
@@ -122,6 +122,49 @@ def estimate_memory(gm: fx.GraphModule, roles: NodeRoles, io) -> MemoryEstimate:
             state, scalars and batch.
     """
     nodes = list(gm.graph.nodes)
+    storage_of, first, last, size, root = _lifetimes(nodes)
+    category = _categories(nodes, storage_of, root, roles, io)
+    per_category = {c: [0] * (len(nodes) + 1) for c in CATEGORIES}
+    for key, start in first.items():
+        per_category[category[key]][start] += size[key]
+        per_category[category[key]][last[key] + 1] -= size[key]
+    timeline = _timeline(len(nodes), first, last, size)
+    peak_position = max(range(len(nodes)), key=timeline.__getitem__) if nodes else 0
+    breakdown = MemoryBreakdown(**{c: sum(per_category[c][: peak_position + 1]) for c in CATEGORIES})
+    resident = sum(size[k] for k in first if root[k].op == "placeholder")
+    return MemoryEstimate(
+        peak=timeline[peak_position] if nodes else 0,
+        peak_node=nodes[peak_position].name if nodes else "",
+        peak_position=peak_position,
+        breakdown=breakdown,
+        resident=resident,
+        timeline=tuple(timeline),
+    )
+
+
+def memory_timeline(gm: fx.GraphModule) -> list[int]:
+    """Bytes alive at each node of `gm`, in graph order (the timeline `estimate_memory`
+    takes its peak from, without the breakdown by category, which needs `node_roles`)."""
+    nodes = list(gm.graph.nodes)
+    _, first, last, size, _ = _lifetimes(nodes)
+    return _timeline(len(nodes), first, last, size)
+
+
+def _timeline(n: int, first: dict, last: dict, size: dict) -> list[int]:
+    deltas = [0] * (n + 1)
+    for key, start in first.items():
+        deltas[start] += size[key]
+        deltas[last[key] + 1] -= size[key]
+    timeline, alive = [], 0
+    for i in range(n):
+        alive += deltas[i]
+        timeline.append(alive)
+    return timeline
+
+
+def _lifetimes(nodes: list) -> tuple[dict, dict, dict, dict, dict]:
+    """For each storage (key): the position of its first and last node, its bytes and the node
+    that allocated it; and for each node the keys of the storages its outputs alias."""
     end = len(nodes) - 1
     storage_of: dict[fx.Node, list] = {}
     first: dict = {}
@@ -152,30 +195,7 @@ def estimate_memory(gm: fx.GraphModule, roles: NodeRoles, io) -> MemoryEstimate:
         if node.op == "placeholder":
             for key in storage_of[node]:
                 first[key], last[key] = 0, end
-
-    category = _categories(nodes, storage_of, root, roles, io)
-    deltas = [0] * (len(nodes) + 1)
-    per_category = {c: [0] * (len(nodes) + 1) for c in CATEGORIES}
-    for key, start in first.items():
-        deltas[start] += size[key]
-        deltas[last[key] + 1] -= size[key]
-        per_category[category[key]][start] += size[key]
-        per_category[category[key]][last[key] + 1] -= size[key]
-    timeline, alive = [], 0
-    for i in range(len(nodes)):
-        alive += deltas[i]
-        timeline.append(alive)
-    peak_position = max(range(len(nodes)), key=timeline.__getitem__) if nodes else 0
-    breakdown = MemoryBreakdown(**{c: sum(per_category[c][: peak_position + 1]) for c in CATEGORIES})
-    resident = sum(size[k] for k in first if root[k].op == "placeholder")
-    return MemoryEstimate(
-        peak=timeline[peak_position] if nodes else 0,
-        peak_node=nodes[peak_position].name if nodes else "",
-        peak_position=peak_position,
-        breakdown=breakdown,
-        resident=resident,
-        timeline=tuple(timeline),
-    )
+    return storage_of, first, last, size, root
 
 
 def _categories(nodes: list, storage_of: dict, root: dict, roles: NodeRoles, io) -> dict:

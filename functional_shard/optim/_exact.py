@@ -34,11 +34,9 @@ Scalar arguments. `alpha=` / `value=` have no tensor form and are decomposed:
   once per process (`_add_period`, from a real kernel call, never inside a trace) and
   evaluates the two formulas on the matching slices; the thread count is read when
   `apply` runs (traces bake it in). This is exact for contiguous operands on CPU.
-* `self.addcdiv(t1, t2, value=v)`: the CPU kernel evaluates `self + v * t1 / t2` in the
-  op-math type (float for 16-bit types, with one final rounding) in both the
-  vectorized and the scalar path, so `self + (t1 * v) / t2` (float32/float64) or the same
-  on float32 upcasts rounded back once (bfloat16/float16) is exact; for float32/float64 it
-  runs as `self.addcdiv_(t1 * v, t2)` (value 1: `1 * a` is `a`), one pass instead of two.
+* `self.addcdiv(t1, t2, value=v)`: a custom op (`functional_shard::addcdiv_value_`) that
+  calls that very kernel with `v.item()` when the graph runs: torch's bits on every dtype
+  and device, one pass, one node in a trace.
 
 On other devices the same forms are used but bit-identity with torch.optim is not
 claimed (torch's default there is the foreach kernel, and CUDA kernels differ).
@@ -182,9 +180,24 @@ def addcdiv_scaled_(
 
     All tensors must have the same shape and dtype and at least one dimension.
     Returns `self`.
+
+    It is torch's own kernel, called with `value` read as a double when it runs (a custom op,
+    `functional_shard::addcdiv_value_`): what a Python float `value` does, for every dtype,
+    in one pass over the operands (the former tensor form, `self.addcdiv_(t1 * v, t2)`,
+    took two).
     """
-    if self.dtype in _REDUCED:
-        # Upcast, evaluate in float, round once (copy_ rounds like .to(dtype)).
-        return self.copy_(self.float() + (t1.float() * operand(value, self)) / t2.float())
-    # addcdiv with value 1 computes self + 1 * a / t2: the same roundings, in one pass.
-    return self.addcdiv_(t1 * operand(value, self), t2)
+    _addcdiv_value_(self, t1, t2, value)
+    return self
+
+
+@torch.library.custom_op("functional_shard::addcdiv_value_", mutates_args=("self",))
+def _addcdiv_value_(self: torch.Tensor, t1: torch.Tensor, t2: torch.Tensor, value: torch.Tensor) -> None:
+    """`self.addcdiv_(t1, t2, value=float(value))`: torch's kernel, one pass, on every dtype
+    and device; one node in a trace, whose input `value` (0-d float64, CPU) is read when the
+    graph runs, not baked in when it is traced."""
+    self.addcdiv_(t1, t2, value=value.item())
+
+
+@_addcdiv_value_.register_fake
+def _(self: torch.Tensor, t1: torch.Tensor, t2: torch.Tensor, value: torch.Tensor) -> None:
+    return None

@@ -15,7 +15,6 @@ from typing import Iterable, NamedTuple
 import torch
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.multiprocessing.reductions import StorageWeakRef
 
 
 _C10D = torch.ops._c10d_functional
@@ -342,122 +341,6 @@ def move_early(node: fx.Node) -> None:
         for i in followers:
             n.prepend(i)
         order = {m: k for k, m in enumerate(node.graph.nodes)}
-
-
-def drop_collectives(gm: fx.GraphModule) -> int:
-    """Replace every collective of `gm` by its input, for a world of one rank, where each is
-    the identity (an all-gather or reduce-scatter over one shard, a sum over one rank): the
-    readers of its wait read the collective's input (the gloo reduce-scatter's local sum over
-    one slice then copies it, with the same bits). Returns how many were dropped. The step
-    calls it after the schedule's passes, which find units by their all-gathers. A gather's
-    cast to the gather dtype (`pre_collective_cast`) moves to right before its first reader:
-    with nothing to overlap, a prefetched unit's cast would only be alive early."""
-    dropped = 0
-    order = positions(gm)
-    for c in collectives(gm):
-        cast = pre_collective_cast(c.issue) if c.kind == "all_gather" else None
-        c.wait.replace_all_uses_with(c.issue.args[0])
-        gm.graph.erase_node(c.wait)
-        gm.graph.erase_node(c.issue)
-        if cast is not None and cast.users:
-            min(cast.users, key=order.__getitem__).prepend(cast)
-        dropped += 1
-    if dropped:
-        gm.graph.lint()
-        gm.recompile()
-    return dropped
-
-
-def gather_casts_in_place(gm: fx.GraphModule, shard_index: int) -> int:
-    """Cast each mixed-precision shard straight into this rank's slot of its all-gather's
-    output, as FSDP2 does, instead of into a copy of its own that the collective's work holds
-    until it is waited for: `_to_copy(shard, dtype) -> all_gather_into_tensor(cast)` becomes
-    `empty(full) -> copy_(slot, shard) -> all_gather_into_tensor_out(slot, out=full)`, where
-    the slot is `shard_index`'s. The same bits (one cast, the same rounding; gloo and NCCL
-    gather in place when the input is the output's own slot), one shard of memory less per
-    gather in flight. The step calls it after the schedule's passes, which move a gather's
-    cast with it (`pre_collective_cast`); returns how many gathers it changed."""
-    changed = 0
-    for c in collectives(gm):
-        cast = pre_collective_cast(c.issue)
-        if c.issue.target is not _C10D.all_gather_into_tensor.default or cast is None or set(cast.kwargs) != {"dtype"}:
-            continue
-        shard, (group_size, group) = cast.args[0], c.issue.args[1:]
-        cast_val, full_val = cast.meta.get("val"), c.issue.meta.get("val")
-        if not isinstance(cast_val, FakeTensor) or not isinstance(full_val, FakeTensor) or cast_val.dim() != 1:
-            continue
-        n = cast_val.numel()
-        graph = gm.graph
-        with graph.inserting_before(c.issue):
-            full = graph.call_function(
-                torch.ops.aten.empty.memory_format, ([group_size * n],), {"dtype": cast.kwargs["dtype"], "device": cast_val.device}
-            )
-            slot = graph.call_function(torch.ops.aten.slice.Tensor, (full, 0, shard_index * n, (shard_index + 1) * n))
-            copied = graph.call_function(torch.ops.aten.copy_.default, (slot, shard))
-            issue = graph.call_function(_C10D.all_gather_into_tensor_out.default, (copied, group_size, group), {"out": full})
-        with cast_val.fake_mode:
-            full.meta["val"] = torch.empty(group_size * n, dtype=cast_val.dtype, device=cast_val.device)
-            slot.meta["val"] = copied.meta["val"] = full.meta["val"][shard_index * n : (shard_index + 1) * n]
-        issue.meta.update(c.issue.meta)
-        issue.meta["val"] = full.meta["val"]
-        c.issue.replace_all_uses_with(issue)
-        graph.erase_node(c.issue)
-        if not cast.users:
-            graph.erase_node(cast)
-        changed += 1
-    if changed:
-        gm.graph.lint()
-        gm.recompile()
-    return changed
-
-
-def release(*tensors: torch.Tensor) -> None:
-    """Free the memory of `tensors` now (their storages shrink to 0 bytes): a node the step
-    inserts once nothing reads them any more (`free_sent_and_received`)."""
-    for t in tensors:
-        t.untyped_storage().resize_(0)
-
-
-def free_sent_and_received(gm: fx.GraphModule) -> int:
-    """Free each reduce-scatter's full gradient right after its wait, and on gloo the slices it
-    received right after their local sum, instead of whenever the last reference goes: the
-    collective's work holds both, and gloo's worker thread drops its reference at a moment of
-    its own, after the wait has returned; the memory then stayed allocated a while longer on
-    some steps and ranks (up to 1.8 MiB more at the GPT benchmark's bf16 peak at batch 1, on one
-    rank of two). Only buffers that nothing else reads and that alias nothing are freed; the
-    step calls it last, after the schedule's passes. Returns how many `release` nodes it added."""
-    added = 0
-    for c in collectives(gm):
-        if c.kind != "reduce_scatter":
-            continue
-        sent = c.issue.args[0]
-        if isinstance(sent, fx.Node) and _owns_storage(sent) and set(sent.users) == {c.issue}:
-            with gm.graph.inserting_after(c.wait):
-                gm.graph.call_function(release, (sent,)).meta["val"] = None
-            added += 1
-        end, chain = c.wait, []
-        while len(end.users) == 1 and next(iter(end.users)).target in (torch.ops.aten.view.default, torch.ops.aten.sum.dim_IntList):
-            end = next(iter(end.users))
-            chain.append(end)
-        if chain and chain[-1].target is torch.ops.aten.sum.dim_IntList:
-            with gm.graph.inserting_after(end):
-                gm.graph.call_function(release, (c.wait,)).meta["val"] = None
-            added += 1
-    if added:
-        gm.graph.lint()
-        gm.recompile()
-    return added
-
-
-def _owns_storage(node: fx.Node) -> bool:
-    """A computed tensor with a storage of its own (not a step input, not a view of another,
-    also where the schema does not say so: `_unsafe_view` shares its input's storage)."""
-    value = node.meta.get("val")
-    if node.op != "call_function" or not _is_pure(node) or _is_view(node) or not isinstance(value, torch.Tensor):
-        return False
-    mine = StorageWeakRef(value.untyped_storage())
-    inputs = [i.meta.get("val") for i in node.all_input_nodes]
-    return not any(isinstance(v, torch.Tensor) and StorageWeakRef(v.untyped_storage()) == mine for v in inputs)
 
 
 # With micro-batches each one gathers its own copy of a unit: the tracer labels unit u's
