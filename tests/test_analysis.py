@@ -408,3 +408,41 @@ def test_simulator_benchmark_quick_mode_runs_and_reports():
     predicted_ms, measured = rows[0].split(" | ")[3:5]
     assert float(predicted_ms) > 0 and float(measured.split()[0]) > 0
     assert "within 15%" in out.stdout
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("batch", [1, 8])
+def test_gradients_in_place_never_raises_the_peak(world, batch):
+    # The lowering computes a unit's gradients into its flat buffer (mm.out / sum.out into the
+    # slots) instead of a cat copying them there; the buffer then lives from its first
+    # producer, so a unit whose backward starts at the step's peak must keep its cat. Same
+    # scheduled graph lowered with and without it, and with the memory guard switched off.
+    from functional_shard._jit import copy_graph_module, lower_for_mesh
+    from functional_shard.analysis._memory import memory_timeline
+    from functional_shard.schedule._lower import gradients_in_place
+
+    aten = torch.ops.aten
+    apply_fn, params = meta_gpt()
+    mesh = fs.analysis.AbstractMesh({"fsdp": world})
+    mesh.max_collectives_in_flight = 1
+    _, compiled = fs.analysis.plan(gpt_loss(apply_fn), params, meta_batch(batch), mesh=mesh, optimizer=fs.optim.adamw(lr=1e-3), donate=True)
+    peaks, built = {}, {}
+    for name in ("cat", "guarded", "unguarded"):
+        gm = copy_graph_module(compiled.scheduled)
+        lower_for_mesh(gm, mesh, in_place=False)
+        cats = sum(n.target is aten.cat.default for n in gm.graph.nodes)
+        if name == "guarded":
+            built[name] = gradients_in_place(gm, memory_timeline)
+        elif name == "unguarded":
+            # A timeline whose peak no window can reach: every unit is rewritten.
+            built[name] = gradients_in_place(gm, lambda g: [1 << 62] + [0] * (len(g.graph.nodes) - 1))
+        assert sum(n.target is aten.cat.default for n in gm.graph.nodes) == cats - built.get(name, 0)
+        peaks[name] = max(memory_timeline(gm))
+        if name == "guarded":
+            assert gm.code == compiled.graph_module.code  # what the step runs
+            outs = [n for n in gm.graph.nodes if n.target in (aten.mm.out, aten.sum.IntList_out)]
+            assert all(n.kwargs["out"].args[0].args[0].target is aten.empty.memory_format for n in outs)
+    assert built["guarded"] >= 1 and built["unguarded"] >= built["guarded"], built
+    assert peaks["guarded"] <= peaks["cat"], peaks
+    # Here the guard matters: rewriting the first unit of the backward as well would raise it.
+    assert built["unguarded"] > built["guarded"] and peaks["unguarded"] > peaks["cat"], (built, peaks)
