@@ -249,7 +249,7 @@ def scheduled_step(gm: fx.GraphModule, schedule, mesh, *, key: CacheKey, io: Fla
     result for `mesh` (`lower_for_mesh`) and make it a `CompiledStep`."""
     gm = schedule_lib.apply_schedule(gm, schedule, schedule_lib.PassContext.for_mesh(mesh))
     scheduled = copy_graph_module(gm)
-    lower_for_mesh(gm, mesh, in_place=not schedule.compile)
+    lower_for_mesh(gm, mesh, in_place=schedule.gradients_in_place and not schedule.compile)
     events = schedule_lib.analyze(gm)
     kinds = {"gather_issued": "all_gather", "reduce_scatter_issued": "reduce_scatter", "all_reduce_issued": "all_reduce"}
     sequence = [f"{kinds[e.event]} of {e.buffer or 'a value'} ({e.nbytes} bytes)" for e in events if e.event in kinds]
@@ -269,13 +269,13 @@ def scheduled_step(gm: fx.GraphModule, schedule, mesh, *, key: CacheKey, io: Fla
     )
 
 
-def lower_for_mesh(gm: fx.GraphModule, mesh, *, in_place: bool = True) -> None:
+def lower_for_mesh(gm: fx.GraphModule, mesh, *, in_place: bool = False) -> None:
     """What runs after the passes, which must not see it (schedule/_lower.py: they move
     collectives, and these nodes are tied to where a collective sits): with one rank, no
     collective at all (each is the identity); else mixed-precision casts made in their
     gather's slot, and the buffers a reduce-scatter sent and received freed at fixed points
-    of the graph; then, unless inductor compiles the graph (it plans its own buffers,
-    `in_place=False`), gradients computed straight into their unit's flat buffer."""
+    of the graph; then, with `in_place` (`Schedule(gradients_in_place=True)`, experimental),
+    gradients computed straight into their unit's flat buffer."""
     if mesh.world_size == 1:
         drop_collectives(gm)
     else:

@@ -425,7 +425,10 @@ def test_gradients_in_place_never_raises_the_peak(world, batch):
     apply_fn, params = meta_gpt()
     mesh = fs.analysis.AbstractMesh({"fsdp": world})
     mesh.max_collectives_in_flight = 1
-    _, compiled = fs.analysis.plan(gpt_loss(apply_fn), params, meta_batch(batch), mesh=mesh, optimizer=fs.optim.adamw(lr=1e-3), donate=True)
+    schedule = fs.Schedule(gradients_in_place=True)  # experimental, off by default
+    _, compiled = fs.analysis.plan(
+        gpt_loss(apply_fn), params, meta_batch(batch), mesh=mesh, optimizer=fs.optim.adamw(lr=1e-3), donate=True, schedule=schedule
+    )
     peaks, built = {}, {}
     for name in ("cat", "guarded", "unguarded"):
         gm = copy_graph_module(compiled.scheduled)

@@ -121,13 +121,18 @@ VARIANTS = {
     "3 micro-batches": (fs.Schedule(), {"microbatches": 3}),
     "3 micro-batches, full": (fs.Schedule(accumulate="full"), {"microbatches": 3}),
     "bucketed gathers": (fs.Schedule(bucket_bytes=1 << 20), {}),
+    "gradients in place": (fs.Schedule(gradients_in_place=True), {}),
+    "gradients in place, bf16": (
+        fs.Schedule(gradients_in_place=True),
+        {"precision": fs.Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)},
+    ),
 }
 
 
 def variants(mesh, model_name):
     out = {}
     for name, (schedule, options) in VARIANTS.items():
-        if name == "bf16" and model_name == "cnn":
+        if "bf16" in name and model_name == "cnn":
             continue  # its float images would need input_dtype; the GPT reads token ids
         eager = dataclasses.replace(schedule, trace=False, remat=False, bucket_bytes=0)
         reference, _ = _run(mesh, model_name, OPTIMIZERS["adamw"](), eager, False, **options)

@@ -105,6 +105,13 @@ class Schedule:
             every unit's full gradient stays alive across the micro-batches. The two sum in
             different orders: each is bit-identical to its own eager reference, and both equal
             one big batch to fp32 rounding.
+        gradients_in_place: experimental, off by default: a lowering after the passes
+            (`schedule/_lower.py`, `gradients_in_place`) computes each unit's gradients straight
+            into its flat gradient buffer (`mm.out` / `sum.out` into its slot) instead of
+            copying them there, for units where that does not raise the predicted peak. Same
+            bits; its measured effect on time is within noise (0.96-1.02x), and one CI run
+            with it on crashed in a benchmark rank with a heap corruption that could not be
+            reproduced or traced to it, so it stays opt-in. Not with `compile=True`.
     """
 
     trace: bool = True
@@ -118,6 +125,7 @@ class Schedule:
     compile: bool = False
     accumulate: str = "sharded"
     remat: bool | tuple[str, ...] | Callable[[str], bool] = False
+    gradients_in_place: bool = False
 
     def __post_init__(self) -> None:
         if self.accumulate not in ("sharded", "full"):
