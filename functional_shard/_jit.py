@@ -36,7 +36,7 @@ from . import schedule as schedule_lib
 from ._layout import Layout
 from ._pytree import tree_flatten, tree_paths
 from .schedule._graph import microbatch_label
-from .schedule._lower import drop_collectives, free_sent_and_received, gather_casts_in_place, gradients_in_place
+from .schedule._lower import drop_collectives, free_sent_and_received, gather_casts_in_place, gradients_in_place, runnable
 
 __all__ = ["CacheKey", "CompiledStep", "FlatIO", "Jit", "TraceError"]
 
@@ -169,7 +169,8 @@ class CompiledStep:
         sequence: its collectives in issue order, as text (what ranks compare).
         digest: a 63-bit hash of `sequence`, never 0.
         all_gather_bytes / reduce_scatter_bytes: bytes of the full buffers moved per call.
-        run: what is called each step (`graph_module`, or its `torch.compile`d form).
+        run: what is called each step (`graph_module` calling the operators' C++ entry points,
+            `schedule._lower.runnable`, or its `torch.compile`d form).
         scheduled: the graph after the schedule's passes, before `lower_for_mesh` (what
             `fs.analysis.autotune` schedules again: passes must never see lowered nodes).
     """
@@ -253,7 +254,7 @@ def scheduled_step(gm: fx.GraphModule, schedule, mesh, *, key: CacheKey, io: Fla
     events = schedule_lib.analyze(gm)
     kinds = {"gather_issued": "all_gather", "reduce_scatter_issued": "reduce_scatter", "all_reduce_issued": "all_reduce"}
     sequence = [f"{kinds[e.event]} of {e.buffer or 'a value'} ({e.nbytes} bytes)" for e in events if e.event in kinds]
-    run = torch.compile(gm, backend="inductor", fullgraph=True, dynamic=False) if schedule.compile else gm
+    run = torch.compile(gm, backend="inductor", fullgraph=True, dynamic=False) if schedule.compile else runnable(gm)
     return CompiledStep(
         key=key,
         graph_module=gm,

@@ -9,6 +9,7 @@ written and when memory is freed, never what is computed.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -269,3 +270,23 @@ def _producer(part: fx.Node, val) -> fx.Node | None:
 
 def _fresh_1d(val) -> bool:
     return isinstance(val, FakeTensor) and val.dim() == 1 and val.storage_offset() == 0 and (val.numel() <= 1 or val.stride(0) == 1)
+
+
+def runnable(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of `gm` that calls each operator's C++ entry point (`OpOverload._op`) instead
+    of the `OpOverload` object, whose `__call__` is one more Python frame per node: about
+    0.5 us of a node's 2-3 us on a CPU, some 1 ms a step for a 2,000-node GPT step. The same
+    kernels, so the same results; `gm` (what the analyses read) keeps its targets. Each entry
+    point is wrapped in a `functools.partial` named after its operator, which FX's code
+    generation can bind as a global (the bare entry point it cannot name)."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    entry: dict = {}
+    for node in graph.nodes:
+        if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+            if node.target not in entry:
+                call = functools.partial(node.target._op)
+                call.__name__ = str(node.target).replace(".", "_").replace("::", "_")  # type: ignore[attr-defined]
+                entry[node.target] = call
+            node.target = entry[node.target]
+    return fx.GraphModule(gm, graph)
