@@ -310,3 +310,22 @@ def test_bucketed_gathers_are_bit_identical_and_fewer(local_world, world_size):
             assert r["units in events"] == r["units unbucketed"], r
             assert r["gathers"] < r["unbucketed gathers"], r
         assert report[1 << 40]["gathers"] == 2  # one bucket for the forward, one for the backward
+
+
+def test_what_runs_calls_the_operators_entry_points():
+    # `schedule._lower.runnable`: a copy whose nodes call `OpOverload._op` (one Python frame
+    # less per node) and compute the same; the analysed graph keeps its OpOverload targets.
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from functional_shard.schedule._lower import runnable
+
+    def f(a, b):
+        return torch.addmm(a, a, b).relu().sum(0)
+
+    a, b = torch.randn(5, 5), torch.randn(5, 5)
+    gm = make_fx(f)(a, b)
+    run = runnable(gm)
+    calls = [n for n in run.graph.nodes if n.op == "call_function"]
+    assert calls and not any(isinstance(n.target, torch._ops.OpOverload) for n in calls)
+    assert all(isinstance(n.target, torch._ops.OpOverload) for n in gm.graph.nodes if n.op == "call_function")
+    assert torch.equal(run(a, b), gm(a, b)) and torch.equal(run(a, b), f(a, b))
