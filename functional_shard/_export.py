@@ -110,7 +110,9 @@ def export(state: StepState | Sharded, path: str | os.PathLike | None = None, *,
     """
     if isinstance(state, StepState):
         check_not_donated(state, "fs.export")
-    sharded = state.params if isinstance(state, StepState) else state
+        sharded = state.params
+    else:
+        sharded = state
     if not isinstance(sharded, Sharded):
         raise TypeError(f"export expects a StepState or a Sharded; got {type(state).__name__}")
     mesh = sharded.mesh

@@ -35,7 +35,7 @@ from . import _mesh, _tracing
 from . import schedule as schedule_lib
 from ._layout import Layout
 from ._pytree import tree_flatten, tree_paths
-from .schedule._graph import microbatch_label
+from .schedule._graph import copy_graph, microbatch_label
 from .schedule._lower import drop_collectives, free_sent_and_received, gather_casts_in_place, gradients_in_place, runnable
 
 __all__ = ["CacheKey", "CompiledStep", "FlatIO", "Jit", "TraceError"]
@@ -289,11 +289,8 @@ def lower_for_mesh(gm: fx.GraphModule, mesh, *, in_place: bool = False) -> None:
 
 
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
-    """A copy of `gm`'s graph (the nodes' fake values shared, not copied: passes replace meta
-    entries, never mutate them)."""
-    graph = fx.Graph()
-    graph.output(graph.graph_copy(gm.graph, {}))
-    return fx.GraphModule(gm, graph)
+    """A module over a copy of `gm`'s graph (`schedule._graph.copy_graph`)."""
+    return fx.GraphModule(gm, copy_graph(gm))
 
 
 def _label_collectives(gm: fx.GraphModule, log: list[_tracing.Issued]) -> None:

@@ -472,8 +472,9 @@ def sharded_step(
         donate: the step may update the state's parameter shards and optimizer state in place
             (as FSDP and `torch.optim` do) instead of copying them: about 12 bytes per
             parameter and rank less peak memory. The state passed in is then used up: a
-            step, `evaluate`, `grad`, `fs.export` or `fs.checkpoint.save` given it raises. An error before the update (in `loss_fn`, say) still
-            leaves it untouched; without donation no error can touch it.
+            step, `evaluate`, `grad`, `fs.export` or `fs.checkpoint.save` given it raises.
+            An error before the update (in `loss_fn`, say) still leaves it untouched;
+            without donation no error can touch it.
         max_traces: traced graphs kept (one per batch signature: shapes, dtypes, static
             values); past it the least recently used is dropped and a warning names what in
             the batch keeps changing (pad or bucket variable lengths to a few sizes).

@@ -172,6 +172,14 @@ def _tensors(tree) -> list:
     return found
 
 
+def copy_graph(gm: fx.GraphModule) -> fx.Graph:
+    """A copy of `gm`'s graph (the nodes' fake values shared, not copied: passes replace meta
+    entries, never mutate them)."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    return graph
+
+
 def positions(gm: fx.GraphModule) -> dict[fx.Node, int]:
     """Each node's index in the graph."""
     return {n: i for i, n in enumerate(gm.graph.nodes)}

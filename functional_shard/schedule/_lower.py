@@ -17,9 +17,10 @@ from torch import fx
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from ._graph import _C10D, _is_pure, _is_view, collectives, positions, pre_collective_cast
+from ._graph import _C10D, _is_pure, _is_view, collectives, copy_graph, positions, pre_collective_cast
 
 aten = torch.ops.aten
+
 
 def drop_collectives(gm: fx.GraphModule) -> int:
     """Replace every collective of `gm` by its input, for a world of one rank, where each is
@@ -66,15 +67,11 @@ def gather_casts_in_place(gm: fx.GraphModule, shard_index: int) -> int:
         n = cast_val.numel()
         graph = gm.graph
         with graph.inserting_before(c.issue):
-            full = graph.call_function(
-                torch.ops.aten.empty.memory_format, ([group_size * n],), {"dtype": cast.kwargs["dtype"], "device": cast_val.device}
-            )
-            slot = graph.call_function(torch.ops.aten.slice.Tensor, (full, 0, shard_index * n, (shard_index + 1) * n))
-            copied = graph.call_function(torch.ops.aten.copy_.default, (slot, shard))
+            full = _new_buffer(graph, group_size * n, cast_val)
+            slot = _piece(graph, full, shard_index * n, n)
+            copied = graph.call_function(aten.copy_.default, (slot, shard))
             issue = graph.call_function(_C10D.all_gather_into_tensor_out.default, (copied, group_size, group), {"out": full})
-        with cast_val.fake_mode:
-            full.meta["val"] = torch.empty(group_size * n, dtype=cast_val.dtype, device=cast_val.device)
-            slot.meta["val"] = copied.meta["val"] = full.meta["val"][shard_index * n : (shard_index + 1) * n]
+        copied.meta["val"] = slot.meta["val"]
         issue.meta.update(c.issue.meta)
         issue.meta["val"] = full.meta["val"]
         c.issue.replace_all_uses_with(issue)
@@ -86,6 +83,21 @@ def gather_casts_in_place(gm: fx.GraphModule, shard_index: int) -> int:
         gm.graph.lint()
         gm.recompile()
     return changed
+
+
+def _new_buffer(graph: fx.Graph, numel: int, like: FakeTensor) -> fx.Node:
+    """An `empty(numel)` node of `like`'s dtype and device, its fake value in `like`'s mode."""
+    node = graph.call_function(aten.empty.memory_format, ([numel],), {"dtype": like.dtype, "device": like.device})
+    with like.fake_mode:
+        node.meta["val"] = torch.empty(numel, dtype=like.dtype, device=like.device)
+    return node
+
+
+def _piece(graph: fx.Graph, buffer: fx.Node, start: int, n: int) -> fx.Node:
+    """A `slice` node for elements `[start, start + n)` of the 1-D `buffer`, with its value."""
+    node = graph.call_function(aten.slice.Tensor, (buffer, 0, start, start + n))
+    node.meta["val"] = buffer.meta["val"][start : start + n]
+    return node
 
 
 def release(*tensors: torch.Tensor) -> None:
@@ -137,8 +149,6 @@ def _owns_storage(node: fx.Node) -> bool:
     return not any(isinstance(v, torch.Tensor) and StorageWeakRef(v.untyped_storage()) == mine for v in inputs)
 
 
-
-
 # Producers whose out= form runs the same kernel into a given contiguous tensor (the
 # functional form allocates the result and calls it), and the views a gradient goes through
 # on its way to the flat buffer (`t(t(mm(...)))` viewed as 1-D, `view(sum(...))`).
@@ -175,7 +185,7 @@ def gradients_in_place(gm: fx.GraphModule, memory_timeline: Callable[[fx.GraphMo
             continue
         # Memory in the window [first producer, cat): the buffer replaces the leaf gradients
         # produced so far.
-        produced_at = sorted((order[p], n * cat.meta["val"].element_size()) for _, _, p, _, n in plan if p is not None)
+        produced_at = sorted((order[p], v.nbytes) for _, v, p, _ in plan if p is not None)
         total, produced, worst = cat.meta["val"].nbytes, 0, 0
         for index, (position, nbytes) in enumerate(produced_at):
             produced += nbytes
@@ -192,8 +202,8 @@ def gradients_in_place(gm: fx.GraphModule, memory_timeline: Callable[[fx.GraphMo
 
 
 def _plan(cat: fx.Node) -> list | None:
-    """(part, its value, its producer or None, its offset, its numel) for each input of a
-    1-D cat with at least one producer to rewrite, else None."""
+    """(part, its value, its producer or None, its offset) for each input of a 1-D cat with at
+    least one producer to rewrite, else None."""
     val = cat.meta.get("val")
     parts = cat.args[0]
     if not isinstance(val, FakeTensor) or val.dim() != 1 or (len(cat.args) > 1 and cat.args[1] not in (0, -1)):
@@ -203,40 +213,35 @@ def _plan(cat: fx.Node) -> list | None:
         return None
     plan, offset = [], 0
     for part, v in zip(parts, vals):
-        plan.append((part, v, _producer(part, v), offset, v.numel()))
+        plan.append((part, v, _producer(part, v), offset))
         offset += v.numel()
-    return plan if any(p is not None for _, _, p, _, _ in plan) else None
+    return plan if any(p is not None for _, _, p, _ in plan) else None
 
 
 def _build_in_place(gm: fx.GraphModule, cat: fx.Node, plan: list, order: dict) -> None:
-    val = cat.meta["val"]
     graph = gm.graph
-    first = min((p for _, _, p, _, _ in plan if p is not None), key=order.__getitem__)
+    first = min((p for _, _, p, _ in plan if p is not None), key=order.__getitem__)
     with graph.inserting_before(first):
-        buffer = graph.call_function(aten.empty.memory_format, ([val.numel()],), {"dtype": val.dtype, "device": val.device})
-    with val.fake_mode:
-        buffer.meta["val"] = torch.empty(val.numel(), dtype=val.dtype, device=val.device)
-    for part, v, producer, start, n in plan:
+        buffer = _new_buffer(graph, cat.meta["val"].numel(), cat.meta["val"])
+    for part, v, producer, start in plan:
         if producer is None:
-            if n:  # copied where the cat was
+            if v.numel():  # copied where the cat was
                 with graph.inserting_before(cat):
-                    piece = graph.call_function(aten.slice.Tensor, (buffer, 0, start, start + n))
-                    copied = graph.call_function(aten.copy_.default, (piece, part))
-                piece.meta["val"] = copied.meta["val"] = buffer.meta["val"][start : start + n]
+                    piece = _piece(graph, buffer, start, v.numel())
+                    graph.call_function(aten.copy_.default, (piece, part)).meta["val"] = piece.meta["val"]
             continue
         shape = list(producer.meta["val"].shape)
         with graph.inserting_before(producer):
-            piece = graph.call_function(aten.slice.Tensor, (buffer, 0, start, start + n))
+            piece = _piece(graph, buffer, start, v.numel())
             slot = graph.call_function(aten.view.default, (piece, shape))
             written = graph.call_function(_OUT_FORMS[producer.target], producer.args, {**producer.kwargs, "out": slot})
-        piece.meta["val"] = buffer.meta["val"][start : start + n]
         slot.meta["val"] = written.meta["val"] = piece.meta["val"].view(shape)
         written.meta.update({k: value for k, value in producer.meta.items() if k != "val"})
         producer.replace_all_uses_with(written)
         graph.erase_node(producer)
     cat.replace_all_uses_with(buffer)
     graph.erase_node(cat)
-    for part, _, _, _, _ in plan:  # the views that led a rewritten gradient to the cat read nothing now
+    for part, _, _, _ in plan:  # the views that led a rewritten gradient to the cat read nothing now
         node = part
         while isinstance(node, fx.Node) and not node.users and node.target in _SAME_MEMORY:
             source = node.args[0]
@@ -269,7 +274,12 @@ def _producer(part: fx.Node, val) -> fx.Node | None:
 
 
 def _fresh_1d(val) -> bool:
-    return isinstance(val, FakeTensor) and val.dim() == 1 and val.storage_offset() == 0 and (val.numel() <= 1 or val.stride(0) == 1)
+    return (
+        isinstance(val, FakeTensor)
+        and val.dim() == 1
+        and val.storage_offset() == 0
+        and (val.numel() <= 1 or val.stride(0) == 1)
+    )
 
 
 def runnable(gm: fx.GraphModule) -> fx.GraphModule:
@@ -279,8 +289,7 @@ def runnable(gm: fx.GraphModule) -> fx.GraphModule:
     kernels, so the same results; `gm` (what the analyses read) keeps its targets. Each entry
     point is wrapped in a `functools.partial` named after its operator, which FX's code
     generation can bind as a global (the bare entry point it cannot name)."""
-    graph = fx.Graph()
-    graph.output(graph.graph_copy(gm.graph, {}))
+    graph = copy_graph(gm)
     entry: dict = {}
     for node in graph.nodes:
         if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
