@@ -19,8 +19,9 @@ Every rank runs the same measurements, at the same time (it is a collective):
 - the step's own overhead: a traced `sharded_step` of one small parameter, its call timed
   against its graph alone (the ranks' agreement, guards, packing);
 - collectives: the mesh's own all-gather, reduce-scatter and all-reduce of full buffers from
-  16 KiB to 16 MiB, each timed as its slowest rank; latency and bus bandwidth fitted by least
-  squares (`Machine.collective_seconds`);
+  16 KiB to 16 MiB, each call timed as its slowest rank, the expected time per size the
+  trimmed mean of 21 calls (`_expected_collective_seconds`); latency and bus bandwidth fitted
+  by least squares (`Machine.collective_seconds`);
 - overlap: a 16 MiB all-gather issued as a traced graph issues it (the functional
   collective, waited later) while the rank multiplies matrices for about as long: the time
   lost against perfect overlap, over the shorter of the two, is `overlap_penalty`;
@@ -199,7 +200,7 @@ def calibrate(mesh, *, path: str | None = None, name: str | None = None, quick: 
     for kind, run in operations.items():
         points = []
         for full in sizes:
-            seconds = _slowest(mesh, _collective_seconds(mesh, lambda: run(full), 2 if quick else 7))
+            seconds = _expected_collective_seconds(mesh, lambda: run(full), 3 if quick else 21)
             share = (p - 1) / p * (2 if kind == "all_reduce" else 1) if p > 1 else 1.0
             points.append((share * full, seconds))
         latency[kind], per_byte = _fit(points)
@@ -236,6 +237,33 @@ def _collective_seconds(mesh, fn, repeat: int) -> float:
         fn()
         times.append(clock() - start)
     return statistics.median(times)
+
+
+def _expected_collective_seconds(mesh, fn, repeat: int) -> float:
+    """What one call of the collective `fn` costs on average: every rank times `repeat` calls,
+    all ranks starting each together; a call's time is its slowest rank's (the collective ends
+    for the step when every rank is done); the result is the mean of those times with the
+    fastest and slowest tenth left out (a stray descheduling).
+
+    A mean, not a median: a step's time is a sum of tens of collectives, so what predicts it is
+    each one's expected time. With more ranks than cores the times are multimodal (gloo's
+    threads get the core within one scheduler slice or the next: 1.3, 3.4 or 5.5 ms for the
+    same 16 KiB all-gather at 4 ranks on 2 cores), and a median of 7 jumped between the modes
+    from one calibration to the next (fitted all-gather latency 2.5-4.3 ms, bandwidth
+    490-710 MB/s, three sweeps a few seconds apart)."""
+    device = getattr(mesh, "device", "cpu")
+    clock = _clock(device)
+    times = []
+    fn()
+    for _ in range(repeat):
+        mesh.all_reduce_flat(torch.zeros(1, device=device))  # start together
+        start = clock()
+        fn()
+        times.append(clock() - start)
+    rows = _everyone(mesh, times)
+    slowest = sorted(max(row[i] for row in rows) for i in range(repeat))
+    cut = repeat // 10
+    return statistics.mean(slowest[cut : repeat - cut])
 
 
 def _everyone(mesh, values: list[float]) -> list[list[float]]:
