@@ -226,7 +226,9 @@ def calibrate(mesh, *, path: str | None = None, name: str | None = None, quick: 
     return machine
 
 
-def _collective_seconds(mesh, fn, repeat: int) -> float:
+def _collective_times(mesh, fn, repeat: int) -> list[float]:
+    """This rank's seconds for each of `repeat` calls of the collective `fn` (after one
+    untimed), every rank starting each call together."""
     device = getattr(mesh, "device", "cpu")
     clock = _clock(device)
     times = []
@@ -236,7 +238,12 @@ def _collective_seconds(mesh, fn, repeat: int) -> float:
         start = clock()
         fn()
         times.append(clock() - start)
-    return statistics.median(times)
+    return times
+
+
+def _collective_seconds(mesh, fn, repeat: int) -> float:
+    """This rank's median seconds per call of the collective `fn`."""
+    return statistics.median(_collective_times(mesh, fn, repeat))
 
 
 def _expected_collective_seconds(mesh, fn, repeat: int) -> float:
@@ -251,15 +258,7 @@ def _expected_collective_seconds(mesh, fn, repeat: int) -> float:
     same 16 KiB all-gather at 4 ranks on 2 cores), and a median of 7 jumped between the modes
     from one calibration to the next (fitted all-gather latency 2.5-4.3 ms, bandwidth
     490-710 MB/s, three sweeps a few seconds apart)."""
-    device = getattr(mesh, "device", "cpu")
-    clock = _clock(device)
-    times = []
-    fn()
-    for _ in range(repeat):
-        mesh.all_reduce_flat(torch.zeros(1, device=device))  # start together
-        start = clock()
-        fn()
-        times.append(clock() - start)
+    times = _collective_times(mesh, fn, repeat)
     rows = _everyone(mesh, times)
     slowest = sorted(max(row[i] for row in rows) for i in range(repeat))
     cut = repeat // 10
