@@ -188,9 +188,13 @@ def variants(mesh, model_name):
     return out
 
 
+@pytest.mark.parametrize("world_size", [1, 2])
 @pytest.mark.parametrize("model_name", ["gpt", "cnn"])
-def test_every_schedule_keeps_the_eager_bits_with_early_updates(local_world, model_name):
-    for report in local_world(2).run(variants, model_name):
+def test_every_schedule_keeps_the_eager_bits_with_early_updates(local_world, model_name, world_size):
+    # One rank included: there the step drops the collectives after the passes and a
+    # mixed-precision gather's cast moves to its first reader, which an update moved early
+    # must not overtake (bf16 broke the bits there until 2026-11-25).
+    for report in local_world(world_size).run(variants, model_name):
         assert all(report.values()), report
 
 

@@ -33,7 +33,7 @@ from torch import fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ._context import Pass, PassContext
-from ._graph import ISSUE_OPS, WAIT_OP, _is_building_copy, _is_view, _schema, ancestors, copy_graph, positions
+from ._graph import ISSUE_OPS, WAIT_OP, _is_building_copy, _is_view, _schema, ancestors, copy_graph, positions, pre_collective_cast
 from ._remat import written_inputs
 
 
@@ -257,14 +257,22 @@ def _identity_storages(nodes: list[fx.Node]) -> dict:
     """For a world of one rank, where the step drops every collective after the passes
     (`drop_collectives`): each collective's result storage -> its input's storages. The
     backward then reads a unit's parameter shard where the graph shows a gathered copy, so a
-    read of the result is a read of the input."""
+    read of the result is a read of the input. A mixed-precision gather's input is a cast of
+    the shard (`pre_collective_cast`) that `drop_collectives` moves to right before the
+    gathered copy's first reader: a read of the result is then a read of the shard too (else an
+    update moved early could write the shard before the cast reads it)."""
     same: dict = {}
     for node in nodes:
         if node.target is WAIT_OP and isinstance(node.args[0], fx.Node) and node.args[0].args:
-            source = node.args[0].args[0]
+            issue = node.args[0]
+            source = issue.args[0]
             if isinstance(source, fx.Node):
+                storages = _storages(source, same)
+                cast = pre_collective_cast(issue)
+                if cast is not None:
+                    storages = storages | _storages_of(cast.all_input_nodes, same)
                 for s in _storages(node):
-                    same[s] = _storages(source, same)
+                    same[s] = storages
     return same
 
 
