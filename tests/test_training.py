@@ -76,11 +76,14 @@ def token_sum(model_out_logits, labels):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100, reduction="sum")
 
 
-def hf_train(mesh, arch: str, seed: int = 0, summed: bool = False):
+def hf_train(mesh, arch: str, seed: int = 0, summed: bool = False, control: bool = False):
     """5 AdamW steps of fs (traced and eager), DDP and single-process training on the data of
     `seed`; the distances of fs's and DDP's parameters from single-process training
     (`tools/ddp_distance.py` runs it over many seeds). `summed`: fs's loss is the token sum
-    (`fs.WeightedLoss(sum, n, summed=True)`) instead of the token mean."""
+    (`fs.WeightedLoss(sum, n, summed=True)`) instead of the token mean. `control`: also DDP
+    with one bucket per parameter (`bucket_cap_mb` below the smallest tensor: the same
+    gradients, other positions in the buffers gloo's all-reduce sums, so other orders of the
+    ranks' values), reported as `worst_ddp_buckets` / `l2_ddp_buckets`."""
     world, rank = mesh.world_size, mesh.rank
     report = {}
     states = {}
@@ -115,9 +118,11 @@ def hf_train(mesh, arch: str, seed: int = 0, summed: bool = False):
     exported = fs.export(states[True])
 
     reference = build_hf(arch)
-    ddp_model = nn.parallel.DistributedDataParallel(build_hf(arch))
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
-    ddp_opt = torch.optim.AdamW(ddp_model.parameters(), lr=1e-2)
+    ddp_models = {"ddp": nn.parallel.DistributedDataParallel(build_hf(arch))}
+    if control:
+        ddp_models["ddp_buckets"] = nn.parallel.DistributedDataParallel(build_hf(arch), bucket_cap_mb=1e-6)
+    ddp_opts = {key: torch.optim.AdamW(m.parameters(), lr=1e-2) for key, m in ddp_models.items()}
     for i in range(STEPS):
         batch = padded_batch(world, i, seed=seed)
         total = (batch[2][:, 1:] != -100).sum()
@@ -125,21 +130,21 @@ def hf_train(mesh, arch: str, seed: int = 0, summed: bool = False):
         (token_sum(reference(input_ids=batch[0], attention_mask=batch[1]).logits, batch[2]) / total).backward()
         ref_opt.step()
         ids, mask, labels = rows(batch, rank)
-        ddp_opt.zero_grad()
-        # DDP averages gradients over ranks: weigh each rank's sum by world / total tokens.
-        (token_sum(ddp_model(input_ids=ids, attention_mask=mask).logits, labels) * world / total).backward()
-        ddp_opt.step()
-    errors, ddp_errors = {}, {}
-    for name, p in reference.named_parameters():
-        scale = float(p.detach().abs().max()) or 1.0
-        errors[name] = float((exported[name] - p.detach()).abs().max()) / scale
-        ddp_errors[name] = float((ddp_model.module.get_parameter(name).detach() - p.detach()).abs().max()) / scale
-    report["worst_fs"] = max(errors.values())
-    report["worst_ddp"] = max(ddp_errors.values())
-    report["equals_ddp"] = all(torch.equal(exported[n], ddp_model.module.get_parameter(n).detach()) for n, _ in reference.named_parameters())
-    # Euclidean distance over every parameter element (a tied weight once).
-    for key, get in (("l2_fs", exported.__getitem__), ("l2_ddp", lambda n: ddp_model.module.get_parameter(n).detach())):
-        report[key] = sum(float((get(n) - p.detach()).double().square().sum()) for n, p in reference.named_parameters()) ** 0.5
+        for key, ddp_model in ddp_models.items():
+            ddp_opts[key].zero_grad()
+            # DDP averages gradients over ranks: weigh each rank's sum by world / total tokens.
+            (token_sum(ddp_model(input_ids=ids, attention_mask=mask).logits, labels) * world / total).backward()
+            ddp_opts[key].step()
+    arms = {"fs": exported.__getitem__}
+    arms.update({key: (lambda n, m=m: m.module.get_parameter(n).detach()) for key, m in ddp_models.items()})
+    for arm, get in arms.items():
+        # The largest per-tensor relative distance, and the Euclidean distance over every
+        # parameter element (a tied weight once).
+        report[f"worst_{arm}"] = max(
+            float((get(n) - p.detach()).abs().max()) / (float(p.detach().abs().max()) or 1.0) for n, p in reference.named_parameters()
+        )
+        report[f"l2_{arm}"] = sum(float((get(n) - p.detach()).double().square().sum()) for n, p in reference.named_parameters()) ** 0.5
+    report["equals_ddp"] = all(torch.equal(arms["fs"](n), arms["ddp"](n)) for n, _ in reference.named_parameters())
     return report
 
 

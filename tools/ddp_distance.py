@@ -2,6 +2,7 @@
 
     python tools/ddp_distance.py --world-size 4 --seeds 10            # both HF models
     python tools/ddp_distance.py --world-size 2 --seeds 10 --arch llama
+    python tools/ddp_distance.py --world-size 4 --seeds 4 --control   # also DDP in another bucket layout
 
 Runs `tests/test_training.py::hf_train` (Hugging Face Llama and GPT-2 from small configs,
 padded batches with -100 labels, 5 AdamW steps; fs traced and eager, DDP and single-process
@@ -31,25 +32,33 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=4)
     parser.add_argument("--seeds", type=int, default=10)
     parser.add_argument("--arch", choices=("llama", "gpt2"), nargs="+", default=["llama", "gpt2"])
+    parser.add_argument("--control", action="store_true",
+                        help="also DDP with one bucket per parameter: how far DDP ends from default DDP's distance")
     args = parser.parse_args()
     with fs.testing.LocalWorld(args.world_size, collective_timeout=60.0, call_timeout=600.0) as world:
         for arch in args.arch:
-            ratios, l2_ratios = [], []
+            ratios, l2_ratios, controls = [], [], []
             for seed in range(args.seeds):
-                r = world.run(hf_train, arch, seed)[0]
+                r = world.run(hf_train, arch, seed, False, args.control)[0]
+                if args.control:
+                    controls.append(r["worst_ddp_buckets"] / r["worst_ddp"])
                 ratios.append(r["worst_fs"] / r["worst_ddp"])
                 l2_ratios.append(r["l2_fs"] / r["l2_ddp"])
                 assert r["traced_equals_eager"], (arch, seed)
                 print(
                     f"{arch} world {args.world_size} seed {seed}: max rel. distance fs {r['worst_fs']:.3e}, "
-                    f"DDP {r['worst_ddp']:.3e}, fs/DDP {ratios[-1]:.2f}; euclidean fs/DDP {l2_ratios[-1]:.3f}",
+                    f"DDP {r['worst_ddp']:.3e}, fs/DDP {ratios[-1]:.2f}; euclidean fs/DDP {l2_ratios[-1]:.3f}"
+                    + (f"; DDP one bucket per parameter / DDP {controls[-1]:.2f}" if args.control else ""),
                     flush=True,
                 )
-            for name, values in (("max", ratios), ("euclidean", l2_ratios)):
+            named = [("max", "fs", ratios), ("euclidean", "fs", l2_ratios)]
+            if args.control:
+                named.append(("max", "DDP one bucket per parameter", controls))
+            for name, arm, values in named:
                 print(
-                    f"{arch} world {args.world_size}, {name} distance: fs further than DDP on "
+                    f"{arch} world {args.world_size}, {name} distance: {arm} further than DDP on "
                     f"{sum(v > 1 for v in values)} of {len(values)} seeds, equal on {sum(v == 1 for v in values)}; "
-                    f"fs/DDP median {statistics.median(values):.2f}, range {min(values):.2f}-{max(values):.2f}"
+                    f"{arm}/DDP median {statistics.median(values):.2f}, range {min(values):.2f}-{max(values):.2f}"
                 )
 
 
