@@ -218,7 +218,7 @@ def calibrate(mesh, *, path: str | None = None, name: str | None = None, quick: 
         issue_overhead_s=issue_fixed,
         issue_seconds_per_byte=issue_per_byte,
         overlap_penalty=min(1.0, max(0.0, _slowest(mesh, penalty))),
-        op_seconds={kind: _average_seconds(mesh, points) for kind, points in op_seconds.items()},
+        op_seconds={kind: _average(mesh, points) for kind, points in op_seconds.items()},
         step_overhead_s=_slowest(mesh, _step_overhead(mesh, 5 if quick else 20)),
     )
     if path is not None and mesh.rank == 0:
@@ -279,12 +279,9 @@ def _mean(mesh, value: float) -> float:
 
 
 def _average(mesh, points: list[tuple[float, float]]) -> tuple:
-    rows = _everyone(mesh, [rate for _, rate in points])
-    return tuple((size, statistics.mean(row[i] for row in rows)) for i, (size, _) in enumerate(points))
-
-
-def _average_seconds(mesh, points: list[tuple[float, float]]) -> tuple:
-    rows = _everyone(mesh, [seconds for _, seconds in points])
+    """(size, value) points with each value the mean over the ranks of theirs at that size
+    (a rate or a time: every rank measured the same sizes)."""
+    rows = _everyone(mesh, [value for _, value in points])
     return tuple((size, statistics.mean(row[i] for row in rows)) for i, (size, _) in enumerate(points))
 
 
