@@ -113,7 +113,7 @@ def _fewest_units(update: early_update, gm: fx.GraphModule, context: PassContext
         return max(memory_timeline(candidate), default=0)
 
     floor = peak(None)
-    low, high = 0, sum(1 for n in gm.graph.nodes if ISSUE_OPS.get(n.target) == "reduce_scatter")
+    high = sum(1 for n in gm.graph.nodes if ISSUE_OPS.get(n.target) == "reduce_scatter")
     if peak(0) <= floor:  # the usual case where the backward's start is the peak: nothing moves
         high = 0
     low = min(1, high)
@@ -172,10 +172,10 @@ def _first_units(nodes: list[fx.Node], count: int | None):
     if count is None:
         return lambda node: True
     issues = [n for n in nodes if ISSUE_OPS.get(n.target) == "reduce_scatter"]
-    allowed = set(issues[:count])
+    allowed, every = set(issues[:count]), set(issues)
     reduced: dict[fx.Node, frozenset] = {}
     for node in nodes:
-        own = frozenset((node,)) if node in set(issues) else frozenset()
+        own = frozenset((node,)) if node in every else frozenset()
         reduced[node] = own.union(*(reduced[a] for a in node.all_input_nodes))
     return lambda node: reduced[node] <= allowed
 
