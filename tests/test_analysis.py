@@ -378,16 +378,56 @@ def test_kernel_class_curves_cost_nodes_and_survive_json(tmp_path):
     with pytest.raises(ValueError, match="op_seconds"):
         dataclasses.replace(base, op_seconds={"copy": ((10, 0.0),)})
 
+    # Measured with inputs just used: `cached` (the share of input bytes in the caches) moves
+    # a node's time from the cold curve to the hot one.
+    hot = dataclasses.replace(machine, op_seconds_hot={"elementwise": ((100, 1e-6), (10_000, 1e-5))}, cache_bytes=1 << 20)
+    assert hot.compute_seconds(0, 4e4, kind="elementwise", numel=10_000) == pytest.approx(1e-4)
+    assert hot.compute_seconds(0, 4e4, kind="elementwise", numel=10_000, cached=1.0) == pytest.approx(1e-5)
+    assert hot.compute_seconds(0, 4e4, kind="elementwise", numel=10_000, cached=0.5) == pytest.approx(5.5e-5)
+    assert hot.compute_seconds(0, 4e5, kind="transcendental", numel=100_000, cached=1.0) == pytest.approx(8e-3)  # no hot curve
+    hot.save(str(tmp_path / "hot.json"))
+    assert fs.analysis.load_machine(str(tmp_path / "hot.json")) == hot
+    with pytest.raises(ValueError, match="cache_bytes"):
+        dataclasses.replace(base, cache_bytes=-1)
+
     def f(x, y):
-        return torch.exp(x) + y, (x @ y).sum(), x.view(-1)
+        return torch.exp(x) + y, (x @ y).sum(), x.view(-1), torch.matmul(x.view(2, 4, 8), y)
 
     gm = torch.fx.experimental.proxy_tensor.make_fx(f)(torch.randn(8, 8), torch.randn(8, 8))
     kinds = {str(n.target): node_cost(n) for n in gm.graph.nodes if n.op == "call_function"}
+    # `_unsafe_view` returns a view although its schema does not say so: no kernel, no bytes.
+    assert kinds["aten._unsafe_view.default"] == node_cost(next(n for n in gm.graph.nodes if n.target == torch.ops.aten.view.default))
     assert kinds["aten.exp.default"].kind == "transcendental" and kinds["aten.exp.default"].numel == 64
     assert kinds["aten.add.Tensor"].kind == "elementwise"
     assert kinds["aten.mm.default"].kind == "matmul" and kinds["aten.mm.default"].flops == 2 * 8**3
     assert kinds["aten.sum.default"].kind == "reduction"
     assert kinds["aten.view.default"].kind == "view"
+
+
+def test_reuse_distance_decides_what_is_cached():
+    """The simulator prices an input at the cached speed when the distinct bytes touched since
+    it was last produced or read, plus its own, fit `Machine.cache_bytes`; a view is its base."""
+    from functional_shard.analysis._costs import node_cost
+    from functional_shard.analysis._simulate import _Recency
+
+    def f(x, big):
+        b = torch.exp(x) + 1
+        c = big * 2  # reads 1 MiB, writes 1 MiB
+        return b.view(-1) + x, c
+
+    gm = torch.fx.experimental.proxy_tensor.make_fx(f)(torch.randn(64), torch.randn(2**18))
+    costs = {n: node_cost(n) for n in gm.graph.nodes if n.op == "call_function"}
+
+    def walk(cache_bytes: int) -> dict:
+        recency = _Recency(cache_bytes, 100)
+        return {n.name: recency.visit(n, {}, {}, costs) for n in gm.graph.nodes}
+
+    small, large, none = walk(1 << 20), walk(8 << 20), walk(0)
+    assert small["exp"] == large["exp"] == 0.0  # x never touched before
+    assert small["add"] == large["add"] == 1.0  # exp's output, just produced
+    assert small["mul"] == 0.0  # big never touched before
+    assert small["add_1"] == 0.0 and large["add_1"] == 1.0  # b (through its view) and x: 2 MiB ago
+    assert set(none.values()) == {0.0}
 
 
 def test_simulator_benchmark_quick_mode_runs_and_reports():

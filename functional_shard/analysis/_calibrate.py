@@ -12,8 +12,12 @@ Every rank runs the same measurements, at the same time (it is a collective):
 - kernel classes (`Machine.op_seconds`): one representative operation per class — `mul` of
   two tensors (elementwise), `exp` and `gelu_backward` (transcendental), a row `sum`
   (reduction), `native_layer_norm` (normalization), `clone` (copy), `where`
-  (select) — over 10^2 to 4·10^6 elements, each input drawn from a pool larger than the
-  caches (a step's tensors are rarely cache-hot);
+  (select) — over 10^2 to 4·10^6 elements, once with each input drawn from a pool larger
+  than the caches (`op_seconds`), once with the same two inputs every call
+  (`op_seconds_hot`: what an operation costs on the output of the one before it);
+- the cache a rank may count on (`cache_bytes`): the device's last-level cache (read from
+  Linux's sysfs on a CPU, from the device's properties on a GPU) shared by the ranks on
+  its host;
 - every compute timing is the median of `repeat` fixed wall-clock windows (`_loop_seconds`)
   that all ranks start together, so that ranks sharing cores are measured sharing them;
 - the step's own overhead: a traced `sharded_step` of one small parameter, its call timed
@@ -37,9 +41,12 @@ their launches.
 
 from __future__ import annotations
 
+import glob
 import itertools
+import socket
 import statistics
 import time
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -130,7 +137,8 @@ _CLASS_OPERATIONS = {
 
 
 def _op_seconds(mesh, device, sizes, min_loop_s: float, pool_bytes: int) -> dict:
-    """kernel class -> ((elements, seconds per call), ...), this rank's."""
+    """kernel class -> ((elements, seconds per call), ...), this rank's (`pool_bytes` 0: two
+    inputs reused by every call, in the caches)."""
     curves: dict = {kind: [] for kind in _CLASS_OPERATIONS}
     for numel in sizes:
         pool = _pool(numel, device, pool_bytes)
@@ -188,6 +196,7 @@ def calibrate(mesh, *, path: str | None = None, name: str | None = None, quick: 
         bandwidth.append((12.0 * numel, 12.0 * numel / seconds))
     op_sizes = (1_000, 100_000, 1_000_000) if quick else (100, 1_000, 10_000, 100_000, 1_000_000, 4_000_000)
     op_seconds = _op_seconds(mesh, device, op_sizes, min_loop_s, (8 if quick else 64) << 20)
+    op_seconds_hot = _op_seconds(mesh, device, op_sizes, min_loop_s, 0)
 
     latency, bus = {}, {}
     p = mesh.num_shards
@@ -220,10 +229,37 @@ def calibrate(mesh, *, path: str | None = None, name: str | None = None, quick: 
         overlap_penalty=min(1.0, max(0.0, _slowest(mesh, penalty))),
         op_seconds={kind: _average(mesh, points) for kind, points in op_seconds.items()},
         step_overhead_s=_slowest(mesh, _step_overhead(mesh, 5 if quick else 20)),
+        op_seconds_hot={kind: _average(mesh, points) for kind, points in op_seconds_hot.items()},
+        cache_bytes=_cache_share(mesh, device),
     )
     if path is not None and mesh.rank == 0:
         machine.save(path)
     return machine
+
+
+def _last_level_cache(device) -> int:
+    """Bytes of the last-level cache of `device` (0 if it cannot be read)."""
+    if torch.device(device).type == "cuda":
+        return int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0))
+    sizes = []
+    for path in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
+        with open(path) as f:
+            text = f.read().strip().upper()
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        sizes.append(int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text))
+    return max(sizes, default=0)
+
+
+def _cache_share(mesh, device) -> int:
+    """What one rank may count on of its device's last-level cache: a CPU's is shared by the
+    ranks on its host (counted by host name across the mesh), a GPU's is its own. The same on
+    every rank: the smallest cache over the busiest host."""
+    gpu = torch.device(device).type == "cuda"
+    host = zlib.crc32(socket.gethostname().encode())  # below 2**32: exact as a float64
+    rows = _everyone(mesh, [float(_last_level_cache(device)), float(host)])
+    hosts = [row[1] for row in rows]
+    sharing = 1 if gpu else max(hosts.count(h) for h in hosts)
+    return int(min(row[0] for row in rows) // sharing)
 
 
 def _collective_times(mesh, fn, repeat: int) -> list[float]:

@@ -48,10 +48,12 @@ class NodeCost(NamedTuple):
 
 # Classes of kernels whose time per element differs by several times on a CPU: a `Machine`
 # may carry a measured time curve per class (`fs.analysis.calibrate` measures one operation
-# of each). Operations not listed are "elementwise" (one arithmetic operation per element).
+# of each). Operations not listed are "elementwise" (one arithmetic operation per element;
+# `sqrt` and `rsqrt` too: one vector instruction each, measured at half an `exp`'s time per
+# element in a step's optimizer).
 _CLASSES = {
     "transcendental": (
-        "exp", "exp2", "expm1", "log", "log1p", "log2", "sqrt", "rsqrt", "pow", "tanh", "tanh_backward",
+        "exp", "exp2", "expm1", "log", "log1p", "log2", "pow", "tanh", "tanh_backward",
         "sigmoid", "sigmoid_backward", "silu", "silu_backward", "gelu", "gelu_backward", "erf", "erfinv",
         "sin", "cos", "reciprocal", "_softmax", "_softmax_backward_data", "_log_softmax",
         "_log_softmax_backward_data", "native_dropout", "native_dropout_backward", "softplus", "elu",
@@ -79,10 +81,14 @@ OP_CLASSES = ("matmul", "view", "elementwise", *_CLASSES)
 _CLASS_OF = {name: kind for kind, names in _CLASSES.items() for name in names}
 
 
+# Ops that return a view of their input although their schema does not say so: no kernel runs.
+_UNANNOTATED_VIEWS = frozenset((torch.ops.aten._unsafe_view.default,))
+
+
 def op_class(node: fx.Node) -> str:
     """The class of kernel `node` runs: "view", "matmul" (FLOPs counted by torch's registry),
     or one of `OP_CLASSES`' per-element classes, by the operation's name."""
-    if is_view(node):
+    if is_view(node) or node.target in _UNANNOTATED_VIEWS:
         return "view"
     packet = getattr(node.target, "overloadpacket", None)
     if packet is not None and packet in flop_registry:
@@ -121,7 +127,7 @@ def node_cost(node: fx.Node) -> NodeCost:
     """FLOPs and bytes of `node` (0 and 0 for placeholders, outputs, views and collectives)."""
     if node.op != "call_function" or node.target in COLLECTIVE_OPS:
         return NodeCost(0, 0, False)
-    if is_view(node) or node.target in _ALLOCATIONS or node.target is release:
+    if is_view(node) or node.target in _ALLOCATIONS or node.target is release or node.target in _UNANNOTATED_VIEWS:
         return NodeCost(0, 0, False, 0, "view")  # allocating or freeing memory moves no data either
     outputs = tensors_of(node.meta.get("val"))
     inputs = [t for a in node.all_input_nodes for t in tensors_of(a.meta.get("val"))]

@@ -5,8 +5,10 @@ data sheet (`h100_sxm()`). Compute: a matrix product costs its FLOPs at the thro
 products of its size reach; any other node costs, when the machine has a measured time curve
 for its class of kernel (`op_seconds`: elementwise, transcendental, reduction, normalization,
 copy, select — a CPU spends several times longer per element on an `exp` than on an `add`),
-the time that curve gives for its number of elements; else the larger of a fixed dispatch
-overhead and its bytes at memory bandwidth (a roofline). Communication: an alpha-beta model per collective kind, with bus bandwidth
+the time that curve gives for its number of elements — between the curve measured with
+inputs out of the caches and the one measured with inputs just used (`op_seconds_hot`), by
+the share of its input bytes the simulator finds still cached; else the larger of a fixed
+dispatch overhead and its bytes at memory bandwidth (a roofline). Communication: an alpha-beta model per collective kind, with bus bandwidth
 (the ring algorithms' convention): an all-gather or reduce-scatter of a full buffer of `n`
 bytes over `p` ranks takes `latency + (p - 1) / p * n / bandwidth`; an all-reduce twice that.
 """
@@ -69,6 +71,11 @@ class Machine:
             `fs.analysis` `OP_CLASSES` less "matmul" and "view".
         step_overhead_s: what a call of a traced step costs besides its graph (the ranks'
             agreement on what runs, guards, packing inputs and outputs).
+        op_seconds_hot: the same curves with every input just used (in the caches): what an
+            operation costs on the output of the one before it. A class not in it costs its
+            `op_seconds` curve however recent its inputs.
+        cache_bytes: how many bytes one rank may touch between two uses of a tensor and still
+            find it cached (its share of the last-level cache); 0: no cache model.
     """
 
     name: str
@@ -83,15 +90,20 @@ class Machine:
     op_seconds: dict = dataclasses.field(default_factory=dict)
     step_overhead_s: float = 0.0
     issue_seconds_per_byte: float = 0.0
+    op_seconds_hot: dict = dataclasses.field(default_factory=dict)
+    cache_bytes: int = 0
 
     def __post_init__(self) -> None:
-        curves = {}
-        for kind, points in dict(self.op_seconds).items():
-            points = tuple(sorted((float(a), float(b)) for a, b in points))
-            if not points or any(a <= 0 or b <= 0 for a, b in points):
-                raise ValueError(f"Machine.op_seconds[{kind!r}] must hold (elements, positive seconds) pairs; got {points!r}")
-            curves[kind] = points
-        object.__setattr__(self, "op_seconds", curves)
+        for field in ("op_seconds", "op_seconds_hot"):
+            curves = {}
+            for kind, points in dict(getattr(self, field)).items():
+                points = tuple(sorted((float(a), float(b)) for a, b in points))
+                if not points or any(a <= 0 or b <= 0 for a, b in points):
+                    raise ValueError(f"Machine.{field}[{kind!r}] must hold (elements, positive seconds) pairs; got {points!r}")
+                curves[kind] = points
+            object.__setattr__(self, field, curves)
+        if self.cache_bytes < 0:
+            raise ValueError(f"Machine.cache_bytes must be >= 0; got {self.cache_bytes}")
         for field in ("matmul_flops", "memory_bandwidth"):
             points = tuple(sorted((float(a), float(b)) for a, b in getattr(self, field)))
             if not points or any(b <= 0 for _, b in points):
@@ -106,15 +118,21 @@ class Machine:
     def __hash__(self) -> int:
         return hash((self.name, self.matmul_flops, self.memory_bandwidth))
 
-    def compute_seconds(self, flops: int, nbytes: int, *, view: bool = False, kind: str = "", numel: int = 0) -> float:
+    def compute_seconds(
+        self, flops: int, nbytes: int, *, view: bool = False, kind: str = "", numel: int = 0, cached: float = 0.0
+    ) -> float:
         """The time of one node: a view's overhead; a non-product of a class in `op_seconds`,
-        that curve at `numel` elements; else max(overhead, FLOPs / throughput, bytes /
-        bandwidth). The throughputs are what whole calls reach at that size (dispatch
-        included), so the overhead is a floor, not an addend."""
+        that curve at `numel` elements (moved toward its `op_seconds_hot` curve by `cached`,
+        the share of its input bytes still in the caches); else max(overhead, FLOPs /
+        throughput, bytes / bandwidth). The throughputs are what whole calls reach at that
+        size (dispatch included), so the overhead is a floor, not an addend."""
         if view:
             return self.view_overhead_s
         if not flops and kind in self.op_seconds:
-            return _interpolate_seconds(self.op_seconds[kind], max(numel, 1))
+            cold = _interpolate_seconds(self.op_seconds[kind], max(numel, 1))
+            if cached <= 0.0 or kind not in self.op_seconds_hot:
+                return cold
+            return cold + min(cached, 1.0) * (_interpolate_seconds(self.op_seconds_hot[kind], max(numel, 1)) - cold)
         seconds = nbytes / _interpolate(self.memory_bandwidth, max(nbytes, 1))
         if flops:
             seconds = max(seconds, flops / _interpolate(self.matmul_flops, flops))
@@ -143,7 +161,8 @@ def load_machine(path: str) -> Machine:
         data = json.load(f)
     curves = ("matmul_flops", "memory_bandwidth")
     data = {k: tuple(map(tuple, v)) if k in curves else v for k, v in data.items()}
-    data["op_seconds"] = {k: tuple(map(tuple, v)) for k, v in data.get("op_seconds", {}).items()}
+    for field in ("op_seconds", "op_seconds_hot"):
+        data[field] = {k: tuple(map(tuple, v)) for k, v in data.get(field, {}).items()}
     return Machine(**data)
 
 

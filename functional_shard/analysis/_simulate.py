@@ -13,7 +13,14 @@ The graph is walked in its order, as the step runs it:
 - a wait blocks the compute stream until its collective has finished: the blocked time is
   the step's exposed communication;
 - while a collective is in flight, computation loses `overlap_penalty` of the overlapping
-  time (the two contend for the cores, the memory, or the link's engines).
+  time (the two contend for the cores, the memory, or the link's engines);
+- a node whose inputs were touched recently runs at the speed of cached data: each tensor's
+  reuse distance (the bytes the rank's nodes read and wrote since it was last produced or
+  read, a view counting as its base) is compared with `machine.cache_bytes`, and the share
+  of the node's input bytes within it moves its time from the machine's cold curve toward its
+  hot one (`Machine.compute_seconds(cached=...)`). An optimizer's update of a gradient just
+  reduce-scattered, or a mask applied to scores just multiplied, costs a fraction of the same
+  kernel on data from memory.
 
 Peak memory comes from `analyze` (the lifetimes do not depend on time); the predicted step
 time is when the compute stream finishes the last node.
@@ -23,9 +30,11 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from torch import fx
+
 from .. import schedule as schedule_lib
 from ._analyze import analyze
-from ._costs import COLLECTIVE_OPS, is_view, node_cost
+from ._costs import COLLECTIVE_OPS, node_cost, tensors_of
 from ._machine import Machine
 from ._memory import MemoryEstimate
 from ._regions import node_roles
@@ -71,8 +80,14 @@ def simulate(compiled, machine: Machine, *, world_size: int | None = None) -> Si
     phases = {"forward": 0.0, "backward": 0.0, "update": 0.0}
     events: list[TraceEvent] = []
     spans: dict[str, list[float]] = {}
+    costs = {n: node_cost(n) for n in gm.graph.nodes if n.op == "call_function" and n.target not in COLLECTIVE_OPS}
+    touches = sum(len(n.all_input_nodes) + 1 for n in gm.graph.nodes)
+    recency = _Recency(machine.cache_bytes, 2 * touches)
+    for node in gm.graph.nodes:  # the step before: when the state it hands on was last touched
+        recency.visit(node, collectives, waits, costs)
     for node in gm.graph.nodes:
         phase = roles.phase[node]
+        cached = recency.visit(node, collectives, waits, costs)
         if node in collectives:
             c = collectives[node]
             t += machine.issue_overhead_s + machine.issue_seconds_per_byte * c.nbytes
@@ -91,9 +106,11 @@ def simulate(compiled, machine: Machine, *, world_size: int | None = None) -> Si
                 events.append(TraceEvent(label, "wait", COMPUTE, t * 1e6, blocked * 1e6, c.unit, c.phase))
             exposed += blocked
             t += blocked
-        elif node.op == "call_function" and node.target not in COLLECTIVE_OPS:
-            cost = node_cost(node)
-            seconds = machine.compute_seconds(cost.flops, cost.bytes, view=is_view(node), kind=cost.kind, numel=cost.numel)
+        elif node in costs:
+            cost = costs[node]
+            seconds = machine.compute_seconds(
+                cost.flops, cost.bytes, view=cost.kind == "view", kind=cost.kind, numel=cost.numel, cached=cached
+            )
             overlap = min(seconds, max(0.0, comm_free - t))
             seconds += machine.overlap_penalty * overlap
             if phase in phases:
@@ -113,6 +130,92 @@ def simulate(compiled, machine: Machine, *, world_size: int | None = None) -> Si
         memory=analyze(compiled, roles=roles).memory,
         timeline=tuple(sorted(events, key=lambda e: (e.start_us, -e.duration_us))),
     )
+
+
+class _Recency:
+    """Which tensors are still in a rank's caches as the graph runs, by their reuse distance:
+    the distinct bytes touched since a storage (a node's output; a view's or an in-place
+    result's is its base's) was last produced or read (an LRU stack, kept as a Fenwick tree
+    of bytes over touch times). The graph is walked twice: a step's inputs are what the step
+    before it last touched (the state it updated), so the first walk only sets those times."""
+
+    def __init__(self, cache_bytes: int, touches: int):
+        self.cache_bytes = cache_bytes
+        self.tree = [0] * (touches + 2)  # bytes touched at each time, as a Fenwick tree
+        self.now = 0
+        self.stamp: dict = {}  # root node -> (time of its last touch, bytes then)
+        self.root: dict = {}  # node -> the node whose storage its output is
+
+    def _add(self, i: int, value: int) -> None:
+        while i < len(self.tree):
+            self.tree[i] += value
+            i += i & -i
+
+    def _before(self, i: int) -> int:
+        total = 0
+        while i > 0:
+            total += self.tree[i]
+            i -= i & -i
+        return total
+
+    def _touch(self, root: fx.Node, nbytes: int) -> None:
+        if root in self.stamp:
+            then, size = self.stamp[root]
+            self._add(then, -size)
+        self.now += 1
+        self._add(self.now, nbytes)
+        self.stamp[root] = (self.now, nbytes)
+
+    def _cached(self, root: fx.Node, nbytes: int) -> bool:
+        if not self.cache_bytes or root not in self.stamp:
+            return False
+        since = self._before(self.now) - self._before(self.stamp[root][0])
+        return since + nbytes <= self.cache_bytes
+
+    def _root(self, node: fx.Node) -> fx.Node:
+        return self.root.get(node, node)
+
+    def visit(self, node: fx.Node, collectives: dict, waits: dict, costs: dict) -> float:
+        """Account for `node` running; the share of its input bytes that was cached."""
+        if node in waits:
+            self.root[node] = self._root(waits[node].issue)
+        elif node in collectives:  # its output buffer, written by the communication thread
+            self._touch(node, _nbytes(node))
+        elif node in costs:
+            return self._run(node, costs[node].kind == "view")
+        return 0.0
+
+    def _run(self, node: fx.Node, view: bool) -> float:
+        inputs = [a for a in node.all_input_nodes if tensors_of(a.meta.get("val"))]
+        if view:
+            if inputs:
+                self.root[node] = self._root(inputs[0])
+            return 0.0
+        total = hot = 0
+        for a in inputs:
+            size = _nbytes(a)
+            total += size
+            hot += size if self._cached(self._root(a), size) else 0
+        for a in inputs:
+            self._touch(self._root(a), _nbytes(a))
+        written = _written_input(node)
+        if written is not None:
+            self.root[node] = self._root(written)
+        self._touch(self._root(node), _nbytes(node))
+        return hot / total if total else 0.0
+
+
+def _nbytes(node: fx.Node) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors_of(node.meta.get("val")))
+
+
+def _written_input(node: fx.Node) -> fx.Node | None:
+    """The input an in-place op writes and returns (`mul_`, `copy_`), if any."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or not any(r.alias_info is not None and r.alias_info.is_write for r in schema.returns):
+        return None
+    first = node.args[0] if node.args else None
+    return first if isinstance(first, fx.Node) else None
 
 
 def _group(c, world: int) -> int:
