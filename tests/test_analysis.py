@@ -147,6 +147,29 @@ def test_flops_per_unit_match_flop_counter():
     assert by_unit[""].forward_flops == by_unit[""].backward_flops == 0  # the head belongs to the tied unit
 
 
+@pytest.mark.parametrize("optimizer, per_element", [("sgd", 5), ("adamw", 13)])
+def test_update_counts_its_elementwise_operations(optimizer, per_element):
+    """The optimizer's work is elementwise (0 FLOPs in torch's registry), counted as XLA's
+    cost_analysis does, per element of this rank's shard: the gradient's mean over ranks (1)
+    and its squared norm for metrics["grad_norm"] (1), then SGD's p - lr * g as one `addcmul_`
+    (3); AdamW's decay of p (1), m's `lerp_` (3), v's `mul_` + `addcmul_` (4), `sqrt` (1), the
+    division (1), the addition to p (1) — each attributed to the parameter's unit."""
+    opt = fs.optim.sgd(lr=0.1) if optimizer == "sgd" else fs.optim.adamw(lr=1e-3)
+    params = {"w": torch.empty(1000, 10, device="meta")}
+    analysis, _ = fs.analysis.plan(
+        lambda p, x: (x @ p["w"]).square().mean(), params, torch.empty(4, 1000, device="meta"),
+        mesh=fs.analysis.AbstractMesh({"fsdp": 4}), optimizer=opt,
+    )
+    (unit,) = [u for u in analysis.units if u.unit]
+    shard = 10_000 // 4
+    assert per_element * shard <= unit.update_ops <= per_element * shard + 4  # + a few 0-d scalars
+    assert unit.update_flops == 0
+    rest = [u for u in analysis.units if not u.unit][0]
+    assert rest.forward_ops == 2 * 4 * 10 and rest.update_ops <= 4  # square and mean of the 4 x 10 output
+    assert analysis.ops == sum(u.forward_ops + u.backward_ops + u.update_ops for u in analysis.units)
+    assert "elementwise operations per rank" in analysis.summary()
+
+
 def test_peak_memory_parts_and_fit():
     apply_fn, params = meta_gpt()
     world = 8

@@ -27,6 +27,9 @@ class UnitCost(NamedTuple):
     forward_bytes: int  # bytes read and written by its forward nodes
     backward_bytes: int  # ... by its backward nodes
     update_bytes: int  # ... by its update nodes
+    forward_ops: int = 0  # elementwise arithmetic in its forward region (FLOPs the registry does not count)
+    backward_ops: int = 0  # ... in its backward region
+    update_ops: int = 0  # ... in the optimizer's update of its shard (AdamW: ~15 per element)
 
 
 class CollectiveCost(NamedTuple):
@@ -47,12 +50,13 @@ class Analysis(NamedTuple):
 
     units: tuple  # UnitCost per unit, in order of first computation, then ""
     collectives: tuple  # CollectiveCost per collective, in issue order
-    flops: int  # total FLOPs of the step on this rank
+    flops: int  # total FLOPs of the step on this rank (torch's flop registry: matrix products, ...)
     all_gather_bytes: int  # full bytes all-gathered per step (sum of `nbytes`)
     reduce_scatter_bytes: int  # full bytes reduce-scattered per step
     all_reduce_bytes: int  # bytes all-reduced per step
     memory: MemoryEstimate  # predicted peak memory per rank, with its breakdown and timeline
     num_nodes: int  # nodes of the graph
+    ops: int = 0  # total elementwise arithmetic of the step on this rank (`UnitCost.*_ops`)
 
     def fits(self, bytes_per_device: int) -> bool:
         """Whether the predicted peak stays within `bytes_per_device`."""
@@ -64,9 +68,11 @@ class Analysis(NamedTuple):
         f = sum(u.forward_flops for u in self.units)
         b = sum(u.backward_flops for u in self.units)
         o = sum(u.update_flops for u in self.units)
+        ops = [sum(getattr(u, f"{phase}_ops") for u in self.units) for phase in ("forward", "backward", "update")]
         lines = [
             f"{self.num_nodes} nodes, {len(self.units)} units, {len(self.collectives)} collectives",
             f"FLOPs per rank: forward {f / 1e12:.3f} T, backward {b / 1e12:.3f} T, update {o / 1e12:.4f} T",
+            "elementwise operations per rank: " + ", ".join(f"{p} {n / 1e9:.3f} G" for p, n in zip(("forward", "backward", "update"), ops)),
             f"per step: all-gather {self.all_gather_bytes / gib:.3f} GiB, reduce-scatter "
             f"{self.reduce_scatter_bytes / gib:.3f} GiB, all-reduce {self.all_reduce_bytes / gib:.6f} GiB",
             f"peak memory per rank {self.memory.peak / gib:.3f} GiB at {self.memory.peak_node}: "
@@ -94,10 +100,11 @@ def analyze(compiled, *, roles: NodeRoles | None = None) -> Analysis:
         if phase not in ("forward", "backward", "update"):
             continue
         cost = node_cost(node)
-        row = costs.setdefault(roles.unit[node], [0] * 6)
+        row = costs.setdefault(roles.unit[node], [0] * 9)
         column = ("forward", "backward", "update").index(phase)
         row[column] += cost.flops
         row[3 + column] += cost.bytes
+        row[6 + column] += cost.ops
     order = [r.unit for r in roles.regions if r.phase == "forward"]
     units = [u for u in dict.fromkeys(order + list(costs)) if u in costs and u != ""]
     if "" in costs:
@@ -124,6 +131,7 @@ def analyze(compiled, *, roles: NodeRoles | None = None) -> Analysis:
         all_reduce_bytes=sum(c.nbytes for c in collectives if c.kind == "all_reduce"),
         memory=estimate_memory(gm, roles, compiled.io),
         num_nodes=len(gm.graph.nodes),
+        ops=sum(sum(costs[u][6:]) for u in costs),
     )
 
 

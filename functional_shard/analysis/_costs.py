@@ -44,6 +44,7 @@ class NodeCost(NamedTuple):
     matmul: bool  # whether the FLOPs are a matrix product's (run at matmul throughput)
     numel: int = 0  # elements of its largest tensor input or output (what a CPU kernel loops over)
     kind: str = "elementwise"  # its class of kernel (`op_class`)
+    ops: int = 0  # arithmetic the flop registry does not count (`elementwise_ops`)
 
 
 # Classes of kernels whose time per element differs by several times on a CPU: a `Machine`
@@ -97,6 +98,26 @@ def op_class(node: fx.Node) -> str:
     return _CLASS_OF.get(name, "elementwise")
 
 
+# Arithmetic operations per element of the fused elementwise kernels (the rest count one):
+# addcmul: self + value * t1 * t2; addcdiv: self + value * t1 / t2; lerp: self + w * (end - self).
+_FUSED = {"addcmul": 3, "addcmul_": 3, "addcdiv": 3, "addcdiv_": 3, "lerp": 3, "lerp_": 3}
+_NORMALIZATION_OPS = 5  # per element: mean, variance, subtract, scale, shift (or their backward)
+
+
+def elementwise_ops(kind: str, name: str, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> int:
+    """Arithmetic operations of a kernel that torch's flop registry counts as 0 (XLA's
+    `cost_analysis` counts them): one per output element of an elementwise, transcendental or
+    select kernel (three for the fused `addcmul`, `addcdiv`, `lerp`), one per input element of
+    a reduction, five per input element of a normalization; none for copies and views."""
+    if kind in ("elementwise", "transcendental", "select"):
+        return _FUSED.get(name, 1) * sum(t.numel() for t in outputs)
+    if kind == "reduction":
+        return max((t.numel() for t in inputs), default=0)
+    if kind == "normalization":
+        return _NORMALIZATION_OPS * max((t.numel() for t in inputs), default=0)
+    return 0
+
+
 def tensors_of(value) -> list[torch.Tensor]:
     """The tensors in a node's `meta["val"]` (a tensor, or a tuple/list of them for ops such as split)."""
     if isinstance(value, torch.Tensor):
@@ -138,4 +159,7 @@ def node_cost(node: fx.Node) -> NodeCost:
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
         flops = int(flop_registry[packet](*args, **kwargs, out_val=node.meta.get("val")))
     numel = max((t.numel() for t in (*inputs, *outputs)), default=0)
-    return NodeCost(flops, traffic, flops > 0, numel, op_class(node))
+    kind = op_class(node)
+    name = getattr(packet, "__name__", "")
+    ops = 0 if flops else elementwise_ops(kind, name, inputs, outputs)
+    return NodeCost(flops, traffic, flops > 0, numel, kind, ops)

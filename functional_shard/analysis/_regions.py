@@ -170,4 +170,11 @@ def node_roles(gm: fx.GraphModule) -> NodeRoles:
             if r.phase == phase[node] and r.start <= i <= r.end and (width is None or r.end - r.start < width):
                 inner, width = r.unit, r.end - r.start
         unit[node] = inner
+    # An update step that does not read the reduced gradient (AdamW's decay of the parameter
+    # and of its second moment) belongs to the unit whose update consumes its result.
+    for node in reversed(nodes):
+        if phase[node] == "update" and not unit[node]:
+            owners = {unit[u] for u in node.users if phase.get(u) == "update" and unit.get(u)}
+            if len(owners) == 1:
+                unit[node] = owners.pop()
     return NodeRoles(phase, unit, tuple(regions), position)
