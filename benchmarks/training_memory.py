@@ -33,6 +33,13 @@ ARMS = {
     "bf16 + remat": dict(precision=BF16, schedule=fs.Schedule(remat=True)),
     "4 micro-batches, sharded + remat": dict(microbatches=4, schedule=fs.Schedule(remat=True)),
     "4 micro-batches, full + remat": dict(microbatches=4, schedule=fs.Schedule(accumulate="full", remat=True)),
+    "4 micro-batches, gathered once": dict(
+        microbatches=4, schedule=fs.Schedule(reshard_after_forward=False, reshard_after_backward=False)
+    ),
+    "4 micro-batches, full, gathered once": dict(
+        microbatches=4, schedule=fs.Schedule(accumulate="full", reshard_after_forward=False, reshard_after_backward=False)
+    ),
+    "no reshard after forward": dict(schedule=fs.Schedule(reshard_after_forward=False)),
     "clip 1.0 (chain)": dict(optimizer=fs.optim.chain(fs.optim.clip_by_global_norm(1.0), fs.optim.adamw(lr=3e-3))),
 }
 

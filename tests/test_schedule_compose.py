@@ -187,3 +187,47 @@ def test_collective_tags_are_one_frozen_record():
     graph.output(node)
     assert fs.schedule.tag_of(node) is record
     assert fs.schedule.forward_end(fx.GraphModule(torch.nn.Module(), graph)) is node
+
+
+# --- buckets under mixed precision -----------------------------------------------------------------
+
+
+def bucketed_bf16(mesh):
+    """bf16 gathers bucketed (each member's shard is cast right before its own gather: the
+    bucket's concatenation reads every cast at the first member's place), with and without
+    gathering once per step over 2 micro-batches: the eager reference's bits."""
+    out = {}
+    for name, options in {
+        "bucketed": dict(bucket_bytes=1 << 20),
+        "bucketed, once per step": dict(bucket_bytes=1 << 20, reshard_after_forward=False, reshard_after_backward=False),
+    }.items():
+        states = []
+        for schedule in (fs.Schedule(trace=False), fs.Schedule(**options)):
+            torch.manual_seed(0)
+            apply_fn, params = fs.functionalize(MLP(13, 16, 5, n_blocks=3))
+            step = fs.sharded_step(
+                lambda p, b: torch.nn.functional.cross_entropy(apply_fn(p, b[0]).float(), b[1]), mesh,
+                optimizer=fs.optim.adamw(1e-2), microbatches=2, schedule=schedule,
+                precision=fs.Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+            )
+            state = step.init(params)
+            g = torch.Generator().manual_seed(mesh.rank)
+            for _ in range(2):
+                state, metrics = step(state, (torch.randn(4, 13, generator=g), torch.randint(0, 5, (4,), generator=g)))
+            states.append(fs.tree_leaves(state))
+        gm = step.cache[next(iter(step.cache))].graph_module
+        out[name] = (
+            all(torch.equal(a, b) for a, b in zip(*states)),
+            len([c for c in fs.schedule.collectives(gm) if c.kind == "all_gather"]),
+            metrics["all_gather_bytes"],
+        )
+    out["bf16 bytes of every buffer"] = sum(b.padded_numel * 2 for b in state.params.layout.buffers)
+    return out
+
+
+def test_buckets_gather_bf16_shards(local_world):
+    out = local_world(2).run(bucketed_bf16)[0]
+    assert out["bucketed"][0] and out["bucketed, once per step"][0], out
+    assert out["bucketed, once per step"][1] == 1, out  # every unit in one bucket, once
+    assert out["bucketed, once per step"][2] == out["bf16 bytes of every buffer"], out
+    assert out["bucketed"][2] > 3 * out["bf16 bytes of every buffer"], out  # per micro-batch, and again in backward

@@ -326,8 +326,11 @@ def test_fp16_overflow_step_is_skipped_and_reported(local_world):
 # --- accumulation ---------------------------------------------------------------------------------
 
 
-def accumulation(mesh, accumulate: str):
+def accumulation(mesh, accumulate: str, once: bool = False):
+    """k = 1, 2, 4 micro-batches, traced and eager, against single-process SGD on the whole batch.
+    `once`: the traced step gathers each unit once per step (`reshard_after_backward=False`)."""
     world, rank = mesh.world_size, mesh.rank
+    keep = dict(reshard_after_forward=False, reshard_after_backward=False) if once else {}
     g = torch.Generator().manual_seed(3)
     data = [(torch.randn(world * 8, 13, generator=g), torch.randint(0, 5, (world * 8,), generator=g)) for _ in range(3)]
     out = {}
@@ -336,7 +339,7 @@ def accumulation(mesh, accumulate: str):
         apply_fn, params = fs.functionalize(MLP(13, 16, 5, n_blocks=3))
         step = fs.sharded_step(
             lambda p, b: F.cross_entropy(apply_fn(p, b[0]), b[1]), mesh, optimizer=fs.optim.sgd(0.1),
-            microbatches=k, schedule=fs.Schedule(accumulate=accumulate),
+            microbatches=k, schedule=fs.Schedule(accumulate=accumulate, **keep),
         )
         state = step.init(params)
         for batch in data:
@@ -383,6 +386,29 @@ def test_microbatches_equal_one_big_batch(local_world, accumulate):
         # (one more when the next micro-batch's first unit was prefetched during this one).
         assert r["units_alive"] <= out[1]["units_alive"], (k, r)
     assert out[4]["gather"] > out[1]["gather"]
+
+
+@pytest.mark.parametrize("world_size, accumulate", [(2, "sharded"), (2, "full"), (3, "sharded")])
+def test_microbatches_gather_each_unit_once_per_step(local_world, world_size, accumulate):
+    """`Schedule(reshard_after_forward=False, reshard_after_backward=False)`: each unit is
+    gathered once per step however many micro-batches (FSDP2's set_reshard_after_backward(False)),
+    the eager reference's bits, one big batch to fp32 rounding."""
+    out = local_world(world_size).run(accumulation, accumulate, True)[0]
+    for k, r in out.items():
+        assert r["same_as_eager"], k
+        assert r["error"] <= 1e-6, (k, r["error"])
+        assert r["gather"] == r["trainable_bytes"], (k, r)  # once per step: not k times
+        assert r["scatter"] == r["trainable_bytes"] * (k if accumulate == "sharded" else 1), (k, r)
+
+
+def test_reshard_after_backward_needs_reshard_after_forward_false():
+    with pytest.raises(ValueError, match="reshard_after_forward=False"):
+        fs.Schedule(reshard_after_backward=False)
+    with pytest.raises(ValueError, match="must be a bool"):
+        fs.Schedule(reshard_after_forward=False, reshard_after_backward=0)
+    schedule = fs.Schedule(reshard_after_forward=False, reshard_after_backward=False)
+    assert schedule.pass_list[0] == fs.schedule.gather_once()
+    assert fs.schedule.gather_once() not in fs.Schedule().pass_list
 
 
 def accumulation_memory(mesh, accumulate: str):

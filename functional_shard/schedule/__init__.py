@@ -11,8 +11,12 @@ the built-in ones, add your own.
 - config (`_schedule.py`): `Schedule` (the convenient form expands to `default_passes(...)`,
   read back as `schedule.pass_list`), `apply_schedule(gm, schedule, context)`;
 - passes (`_passes.py`): `reshard_after_forward`, `prefetch`, `early_reduce_scatter`,
-  `bucket_gathers`, `bucket_reduce_scatters`, `limit_in_flight`, `function_pass`, the base `Pass`, and `PassContext`
-  (what the mesh allows: `max_collectives_in_flight`, world size, shards);
+  `limit_in_flight`, `function_pass`, the base `Pass`, and `PassContext` (what the mesh
+  allows: `max_collectives_in_flight`, world size, shards);
+- buckets (`_buckets.py`): `bucket_gathers`, `bucket_reduce_scatters` (fewer, larger
+  collectives);
+- micro-batches (`_microbatches.py`): `gather_once`, each buffer gathered once per step instead
+  of once per micro-batch (`Schedule(reshard_after_backward=False)`);
 - rematerialization (`_remat.py`): `rematerialize`, the one pass that adds computation — it
   recomputes chosen units' forward values before their backward (same bits, less memory);
 - the update (`_update.py`): `early_update`, each unit's in-place optimizer update as soon as
@@ -46,11 +50,12 @@ from ._graph import tag_of as tag_of
 from ._graph import uses as uses
 from ._context import Pass as Pass
 from ._context import PassContext as PassContext
-from ._passes import bucket_gathers as bucket_gathers
-from ._passes import bucket_reduce_scatters as bucket_reduce_scatters
+from ._buckets import bucket_gathers as bucket_gathers
+from ._buckets import bucket_reduce_scatters as bucket_reduce_scatters
 from ._passes import early_reduce_scatter as early_reduce_scatter
 from ._context import function_pass as function_pass
 from ._passes import limit_in_flight as limit_in_flight
+from ._microbatches import gather_once as gather_once
 from ._passes import prefetch as prefetch
 from ._passes import reshard_after_forward as reshard_after_forward
 from ._remat import rematerialize as rematerialize
@@ -74,6 +79,7 @@ __all__ = [
     "bucket_gathers",
     "bucket_reduce_scatters",
     "limit_in_flight",
+    "gather_once",
     "rematerialize",
     "early_update",
     # graph tools

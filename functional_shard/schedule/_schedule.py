@@ -10,7 +10,9 @@ from torch import fx
 from ._analysis import analyze, in_flight_intervals
 from . import _passes
 from ._context import Pass, PassContext, as_pass
+from ._buckets import bucket_gathers
 from ._graph import fill_values
+from ._microbatches import gather_once
 from ._passes import _FrozenMapping
 from ._remat import rematerialize
 from ._update import early_update
@@ -25,10 +27,12 @@ def default_passes(
     bucket_bytes: int = 0,
     extra_passes: Sequence = (),
     remat=False,
+    reshard_after_backward: bool = True,
 ) -> tuple[Pass, ...]:
     """The pass list `Schedule(...)` expands to, in order:
 
         rematerialize(remat),                # only when remat is not False
+        gather_once(),                       # only when reshard_after_backward is False
         reshard_after_forward(reshard_after_forward, default=default_reshard),
         prefetch(prefetch),
         early_reduce_scatter(in_flight=reduce_scatters_in_flight),
@@ -44,13 +48,15 @@ def default_passes(
     before the first recomputed node, which is the unit's first backward use.
     """
     passes = [rematerialize(remat)] if remat is not False and remat != () else []
+    if not reshard_after_backward:
+        passes.append(gather_once())
     passes += [
         _passes.reshard_after_forward(reshard_after_forward, default=default_reshard),
         _passes.prefetch(prefetch),
         _passes.early_reduce_scatter(in_flight=reduce_scatters_in_flight),
     ]
     if bucket_bytes:
-        passes.append(_passes.bucket_gathers(bucket_bytes))
+        passes.append(bucket_gathers(bucket_bytes))
     return (*passes, *(as_pass(p) for p in extra_passes), _passes.limit_in_flight(), early_update())
 
 
@@ -59,7 +65,8 @@ class Schedule:
     """How `sharded_step` runs a step: eagerly, or traced and scheduled by a list of passes.
 
     The fields `prefetch`, `reshard_after_forward`, `default_reshard`,
-    `reduce_scatters_in_flight`, `bucket_bytes`, `extra_passes` and `remat` are the convenient form:
+    `reduce_scatters_in_flight`, `bucket_bytes`, `extra_passes`, `remat` and
+    `reshard_after_backward` are the convenient form:
     they build the default pass list (`default_passes`, read back as `pass_list`). `passes`
     gives the list itself instead (then those fields must keep their defaults).
 
@@ -105,6 +112,14 @@ class Schedule:
             every unit's full gradient stays alive across the micro-batches. The two sum in
             different orders: each is bit-identical to its own eager reference, and both equal
             one big batch to fp32 rounding.
+        reshard_after_backward: with `sharded_step(..., microbatches=k)`, True (default) gathers
+            every unit again in each micro-batch (k times the all-gather bytes, as FSDP2 and
+            ZeRO-3 do by default); False gathers each unit once per step and keeps its full
+            parameters from one micro-batch to the next (`fs.schedule.gather_once`; FSDP2's
+            `set_reshard_after_backward(False)`): all-gather bytes independent of k, every
+            unit's full parameters alive across the micro-batches. Needs
+            `reshard_after_forward=False` (a unit kept across micro-batches is kept from its
+            forward to its backward too). Same bits. Traced steps only.
         gradients_in_place: experimental, off by default: a lowering after the passes
             (`schedule/_lower.py`, `gradients_in_place`) computes each unit's gradients straight
             into its flat gradient buffer (`mm.out` / `sum.out` into its slot) instead of
@@ -126,8 +141,17 @@ class Schedule:
     accumulate: str = "sharded"
     remat: bool | tuple[str, ...] | Callable[[str], bool] = False
     gradients_in_place: bool = False
+    reshard_after_backward: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.reshard_after_backward, bool):
+            raise ValueError(f"Schedule.reshard_after_backward must be a bool; got {self.reshard_after_backward!r}")
+        if not self.reshard_after_backward and self.reshard_after_forward is not False:
+            raise ValueError(
+                f"Schedule(reshard_after_backward=False) keeps every unit gathered from one micro-batch to the next, "
+                f"so from its forward to its backward too: it needs reshard_after_forward=False (got "
+                f"{self.reshard_after_forward!r})"
+            )
         if self.accumulate not in ("sharded", "full"):
             raise ValueError(f"Schedule.accumulate must be 'sharded' or 'full'; got {self.accumulate!r}")
         if isinstance(self.reshard_after_forward, Mapping):
@@ -176,6 +200,7 @@ class Schedule:
             bucket_bytes=self.bucket_bytes,
             extra_passes=self.extra_passes,
             remat=self.remat,
+            reshard_after_backward=self.reshard_after_backward,
         )
 
     def reshards(self, unit: str) -> bool:
@@ -191,6 +216,7 @@ _CONVENIENT_FIELDS = {
     "bucket_bytes",
     "extra_passes",
     "remat",
+    "reshard_after_backward",
 }
 
 
