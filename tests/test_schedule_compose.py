@@ -193,9 +193,9 @@ def test_collective_tags_are_one_frozen_record():
 
 
 def bucketed_bf16(mesh):
-    """bf16 gathers bucketed (each member's shard is cast right before its own gather: the
-    bucket's concatenation reads every cast at the first member's place), with and without
-    gathering once per step over 2 micro-batches: the eager reference's bits."""
+    """bf16 gathers bucketed over 2 micro-batches (each member's shard is cast right before its
+    own gather: the bucket's concatenation reads every cast at the first member's place), with
+    and without gathering once per step: the eager reference's bits."""
     out = {}
     for name, options in {
         "bucketed": dict(bucket_bytes=1 << 20),
@@ -228,6 +228,9 @@ def bucketed_bf16(mesh):
 def test_buckets_gather_bf16_shards(local_world):
     out = local_world(2).run(bucketed_bf16)[0]
     assert out["bucketed"][0] and out["bucketed, once per step"][0], out
+    # A bucket per micro-batch and pass (forward, backward): never a later micro-batch's units
+    # gathered early into an earlier one's bucket.
+    assert out["bucketed"][1] == 4, out
     assert out["bucketed, once per step"][1] == 1, out  # every unit in one bucket, once
     assert out["bucketed, once per step"][2] == out["bf16 bytes of every buffer"], out
     assert out["bucketed"][2] > 3 * out["bf16 bytes of every buffer"], out  # per micro-batch, and again in backward

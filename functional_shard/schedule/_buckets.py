@@ -14,7 +14,18 @@ import torch
 from torch import fx
 
 from ._context import Pass, PassContext
-from ._graph import _C10D, WAIT_OP, Collective, CollectiveTag, Member, collectives, positions, pre_collective_cast, tag
+from ._graph import (
+    _C10D,
+    WAIT_OP,
+    Collective,
+    CollectiveTag,
+    Member,
+    collectives,
+    microbatch_of_label,
+    positions,
+    pre_collective_cast,
+    tag,
+)
 from ._passes import _check_int
 
 
@@ -58,6 +69,9 @@ class bucket_gathers(Pass):
             and c.issue.args[1:] == first.args[1:]
             and c.issue.args[0].meta["val"].dtype == first.args[0].meta["val"].dtype
             and not c.tag.members
+            # A micro-batch's gathers only: merged with the next micro-batch's, its units would
+            # be gathered a whole micro-batch early, every copy alive at once.
+            and microbatch_of_label(c.unit) == microbatch_of_label(bucket[0].unit)
         )
 
 
