@@ -30,7 +30,30 @@ from ._passes import _check_int
 
 
 @dataclasses.dataclass(frozen=True)
-class bucket_gathers(Pass):
+class _Bucketing(Pass):
+    """What both bucket passes share: `bucket_bytes` (checked; 0 changes nothing), and the
+    grouping of consecutive candidates into buckets."""
+
+    bucket_bytes: int
+
+    def __post_init__(self) -> None:
+        _check_int(type(self).__name__, "bucket_bytes", self.bucket_bytes, 0)
+
+    @staticmethod
+    def _buckets(candidates, fits) -> list[list[Collective]]:
+        """`candidates` in order, each joining the bucket before it when `fits(bucket, c)`;
+        the buckets of two or more."""
+        buckets: list[list[Collective]] = []
+        for c in candidates:
+            if buckets and fits(buckets[-1], c):
+                buckets[-1].append(c)
+            else:
+                buckets.append([c])
+        return [b for b in buckets if len(b) > 1]
+
+
+@dataclasses.dataclass(frozen=True)
+class bucket_gathers(_Bucketing):
     """Merge all-gathers of the same pass and dtype, next to each other in issue order, into
     buckets of at most `bucket_bytes` (full buffers): one collective gathers the concatenated
     shards, issued where the first member was, waited where the first member was waited; each
@@ -38,27 +61,13 @@ class bucket_gathers(Pass):
     copy. The bucket's `CollectiveTag` lists its members, so `analyze` reports them one by one.
     Bits are unchanged (an all-gather only moves data). `bucket_bytes=0` changes nothing."""
 
-    bucket_bytes: int
-
-    def __post_init__(self) -> None:
-        _check_int("bucket_gathers", "bucket_bytes", self.bucket_bytes, 0)
-
     def __call__(self, gm: fx.GraphModule, context: PassContext) -> fx.GraphModule:
         if self.bucket_bytes <= 0:
             return gm
         for phase in ("forward", "backward"):
-            buckets: list[list[Collective]] = []
-            for c in collectives(gm):
-                if c.kind != "all_gather" or c.phase != phase:
-                    continue
-                last = buckets[-1] if buckets else None
-                if last is not None and self._fits(last, c):
-                    last.append(c)
-                else:
-                    buckets.append([c])
-            for bucket in buckets:
-                if len(bucket) > 1:
-                    _merge_gathers(gm, bucket)
+            candidates = [c for c in collectives(gm) if c.kind == "all_gather" and c.phase == phase]
+            for bucket in self._buckets(candidates, self._fits):
+                _merge_gathers(gm, bucket)
         gm.graph.lint()
         return gm
 
@@ -103,22 +112,11 @@ def _merge_gathers(gm: fx.GraphModule, bucket: list[Collective]) -> None:
             c.wait.replace_all_uses_with(full)
             members.append(Member(c.buffer, c.unit, full, c.nbytes))
             offset += length
-    for c in bucket:
-        gm.graph.erase_node(c.wait)
-        gm.graph.erase_node(c.issue)
-    record = CollectiveTag(
-        kind="all_gather",
-        buffer="+".join(m.buffer for m in members),
-        unit="+".join(dict.fromkeys(m.unit for m in members)),
-        phase=bucket[0].phase,
-        nbytes=sum(m.nbytes for m in members),
-        members=tuple(members),
-    )
-    tag(issue, record)
+    _replace_members(gm, bucket, issue, members)
 
 
 @dataclasses.dataclass(frozen=True)
-class bucket_reduce_scatters(Pass):
+class bucket_reduce_scatters(_Bucketing):
     """Merge reduce-scatters of the same dtype and process group, next to each other in issue
     order, into buckets of at most `bucket_bytes` (full buffers): one collective reduces the
     members' full gradients laid side by side rank by rank (`[num_shards, n_i]` each, joined
@@ -131,27 +129,13 @@ class bucket_reduce_scatters(Pass):
     bucket never waits later than its members did). `bucket_bytes=0` changes nothing. Run it
     after `early_reduce_scatter` and before `limit_in_flight`."""
 
-    bucket_bytes: int
-
-    def __post_init__(self) -> None:
-        _check_int("bucket_reduce_scatters", "bucket_bytes", self.bucket_bytes, 0)
-
     def __call__(self, gm: fx.GraphModule, context: PassContext) -> fx.GraphModule:
         if self.bucket_bytes <= 0:
             return gm
         position = positions(gm)
-        buckets: list[list[Collective]] = []
-        for c in collectives(gm):
-            if c.kind != "reduce_scatter" or c.issue.target not in _SCATTER_OPS:
-                continue
-            last = buckets[-1] if buckets else None
-            if last is not None and self._fits(last, c, position):
-                last.append(c)
-            else:
-                buckets.append([c])
-        for bucket in buckets:
-            if len(bucket) > 1:
-                _merge_scatters(gm, bucket)
+        candidates = [c for c in collectives(gm) if c.kind == "reduce_scatter" and c.issue.target in _SCATTER_OPS]
+        for bucket in self._buckets(candidates, lambda bucket, c: self._fits(bucket, c, position)):
+            _merge_scatters(gm, bucket)
         gm.graph.lint()
         return gm
 
@@ -223,11 +207,17 @@ def _merge_scatters(gm: fx.GraphModule, bucket: list[Collective]) -> None:
         c.wait.replace_all_uses_with(result)
         members.append(Member(c.buffer, c.unit, result, c.nbytes))
         offset += length
+    _replace_members(gm, bucket, issue, members)
+
+
+def _replace_members(gm: fx.GraphModule, bucket: list[Collective], issue: fx.Node, members: list[Member]) -> None:
+    """Erase the members' own collectives (their readers read the bucket's copies by now) and
+    tag the bucket's `issue` with its members, so that analyses report them one by one."""
     for c in bucket:
         gm.graph.erase_node(c.wait)
         gm.graph.erase_node(c.issue)
     tag(issue, CollectiveTag(
-        kind="reduce_scatter",
+        kind=bucket[0].kind,
         buffer="+".join(m.buffer for m in members),
         unit="+".join(dict.fromkeys(m.unit for m in members)),
         phase=bucket[0].phase,
