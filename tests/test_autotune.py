@@ -135,3 +135,19 @@ def test_autotune_refuses_what_it_cannot_search():
     with pytest.raises(ValueError, match="SearchSpace.prefetch"):
         fs.analysis.SearchSpace(prefetch=())
     assert fs.analysis.SearchSpace().size == 54
+
+
+def test_search_space_tries_gathering_once_with_microbatches():
+    """With micro-batches, the combinations that keep every unit gathered are also tried
+    gathered once per step; a step that already gathers once still gets resharding candidates
+    (they set `reshard_after_backward` back, as `Schedule` requires)."""
+    space = fs.analysis.SearchSpace(prefetch=(1,), keep_gathered=(0.0, 1.0), remat=(0.0,), bucket_units=(0,))
+    args = dict(backward_order=["b", "a"], forward_end_order=["a", "b"], largest_gather_bytes=100)
+    assert len(space.schedules(fs.Schedule(), **args)) == 2
+    four = space.schedules(fs.Schedule(), **args, microbatches=4)
+    assert len(four) == 3
+    label, once = four[-1]
+    assert label.endswith("gathered once per step"), label
+    assert once.reshard_after_backward is False and once.reshard_after_forward is False
+    base = fs.Schedule(reshard_after_forward=False, reshard_after_backward=False)
+    assert {s.reshard_after_backward for _, s in space.schedules(base, **args, microbatches=4)} == {True, False}

@@ -26,6 +26,7 @@ there; nor `compile`, `accumulate` and `extra_passes`, which are kept as the ste
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from typing import NamedTuple
 
@@ -61,6 +62,10 @@ class SearchSpace:
             their forward ends. 0: none; 1: every unit.
         bucket_units: all-gather buckets (`Schedule.bucket_bytes`) as a multiple of the largest
             unit's gathered bytes; 0 (or 1): no buckets. 2 merges neighbouring units in pairs, and so on.
+
+    With micro-batches, every combination that keeps all units gathered is also tried gathered
+    once per step (`Schedule.reshard_after_backward=False`: all-gather bytes independent of the
+    number of micro-batches, every unit's full parameters alive across them).
     """
 
     prefetch: tuple[int, ...] = (0, 1, 2)
@@ -84,10 +89,13 @@ class SearchSpace:
 
     @property
     def size(self) -> int:
-        """How many combinations the space holds (before duplicates are dropped)."""
+        """How many combinations the space holds (before duplicates are dropped and without the
+        micro-batch variants)."""
         return len(self.prefetch) * len(self.keep_gathered) * len(self.remat) * len(self.bucket_units)
 
-    def schedules(self, base: Schedule, *, backward_order, forward_end_order, largest_gather_bytes: int) -> list[tuple[str, Schedule]]:
+    def schedules(
+        self, base: Schedule, *, backward_order, forward_end_order, largest_gather_bytes: int, microbatches: int = 1
+    ) -> list[tuple[str, Schedule]]:
         """`(label, schedule)` for every combination, duplicates dropped, in a fixed order.
 
         Arguments:
@@ -95,6 +103,7 @@ class SearchSpace:
             backward_order: the units in the order their backward starts.
             forward_end_order: the units in the order their forward ends.
             largest_gather_bytes: the largest all-gather of one unit (full bytes).
+            microbatches: the step's; above 1, the gathered-once variants are added.
         """
         found: dict[Schedule, str] = {}
         n = len(backward_order)
@@ -105,7 +114,8 @@ class SearchSpace:
                 for fraction in self.remat:
                     chosen = tuple(forward_end_order[: math.ceil(fraction * n - 1e-9)])
                     remat = False if not chosen else True if len(chosen) == n else chosen
-                    for buckets in self.bucket_units:
+                    once_options = (True, False) if reshard is False and microbatches > 1 else (True,)
+                    for buckets, reshard_after_backward in itertools.product(self.bucket_units, once_options):
                         schedule = dataclasses.replace(
                             base,
                             prefetch=prefetch,
@@ -113,10 +123,12 @@ class SearchSpace:
                             default_reshard=True,
                             bucket_bytes=buckets * largest_gather_bytes if buckets >= 2 else 0,
                             remat=remat,
+                            reshard_after_backward=reshard_after_backward,
                         )
                         label = (
                             f"prefetch {prefetch}, keep {len(kept)}/{n} gathered, remat {len(chosen)}/{n}, "
                             + (f"buckets of {buckets} units" if buckets >= 2 else "no buckets")
+                            + ("" if reshard_after_backward else ", gathered once per step")
                         )
                         found.setdefault(schedule, label)
         return [(label, schedule) for schedule, label in found.items()]
@@ -239,7 +251,8 @@ def autotune(
     backward_order, forward_end_order = _unit_orders(base)
     largest = max((c.nbytes for c in schedule_lib.collectives(base.graph_module) if c.kind == "all_gather"), default=0)
     labelled = space.schedules(
-        step.schedule, backward_order=backward_order, forward_end_order=forward_end_order, largest_gather_bytes=largest
+        step.schedule, backward_order=backward_order, forward_end_order=forward_end_order, largest_gather_bytes=largest,
+        microbatches=step.microbatches,
     )
     own = next((label for label, s in labelled if s == step.schedule), None)
     labelled = [(f"{own or repr(step.schedule)} (the step's own)", step.schedule)] + [
