@@ -22,7 +22,7 @@ The graph is walked in its order, as the step runs it:
   reduce-scattered, or a mask applied to scores just multiplied, costs a fraction of the same
   kernel on data from memory.
 
-Peak memory comes from `analyze` (the lifetimes do not depend on time); the predicted step
+Peak memory comes from the lifetimes, as `analyze` reads them (they do not depend on time); the predicted step
 time is when the compute stream finishes the last node.
 """
 
@@ -33,10 +33,10 @@ from typing import NamedTuple
 from torch import fx
 
 from .. import schedule as schedule_lib
-from ._analyze import analyze
+from ..schedule._remat import written_inputs
 from ._costs import COLLECTIVE_OPS, node_cost, tensors_of
 from ._machine import Machine
-from ._memory import MemoryEstimate
+from ._memory import MemoryEstimate, estimate_memory
 from ._regions import node_roles
 from ._timeline import COMMUNICATION, COMPUTE, Profile, TraceEvent
 
@@ -127,7 +127,7 @@ def simulate(compiled, machine: Machine, *, world_size: int | None = None) -> Si
         communication_s=comm_busy,
         exposed_s=exposed,
         phases=phases,
-        memory=analyze(compiled, roles=roles).memory,
+        memory=estimate_memory(gm, roles, compiled.io),
         timeline=tuple(sorted(events, key=lambda e: (e.start_us, -e.duration_us))),
     )
 
@@ -191,31 +191,20 @@ class _Recency:
             if inputs:
                 self.root[node] = self._root(inputs[0])
             return 0.0
-        total = hot = 0
-        for a in inputs:
-            size = _nbytes(a)
-            total += size
-            hot += size if self._cached(self._root(a), size) else 0
-        for a in inputs:
-            self._touch(self._root(a), _nbytes(a))
-        written = _written_input(node)
-        if written is not None:
-            self.root[node] = self._root(written)
+        sizes = [_nbytes(a) for a in inputs]
+        hot = sum(size for a, size in zip(inputs, sizes) if self._cached(self._root(a), size))
+        for a, size in zip(inputs, sizes):
+            self._touch(self._root(a), size)
+        written = written_inputs(node)
+        if len(written) == 1:  # an in-place op's result is the tensor it wrote (`mul_`, `mm.out`)
+            self.root[node] = self._root(written[0])
         self._touch(self._root(node), _nbytes(node))
+        total = sum(sizes)
         return hot / total if total else 0.0
 
 
 def _nbytes(node: fx.Node) -> int:
     return sum(t.numel() * t.element_size() for t in tensors_of(node.meta.get("val")))
-
-
-def _written_input(node: fx.Node) -> fx.Node | None:
-    """The input an in-place op writes and returns (`mul_`, `copy_`), if any."""
-    schema = getattr(node.target, "_schema", None)
-    if schema is None or not any(r.alias_info is not None and r.alias_info.is_write for r in schema.returns):
-        return None
-    first = node.args[0] if node.args else None
-    return first if isinstance(first, fx.Node) else None
 
 
 def _group(c, world: int) -> int:

@@ -18,13 +18,10 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
 from torch import fx
 
 from ._context import Pass, PassContext
-from ._graph import _is_pure, collectives
-
-_aten = torch.ops.aten
+from ._graph import collectives, pre_collective_cast
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,27 +44,11 @@ class gather_once(Pass):
             if key not in first:
                 first[key] = c
                 continue
+            cast = pre_collective_cast(c.issue)
             c.wait.replace_all_uses_with(first[key].wait)
-            source = c.issue.args[0]
             gm.graph.erase_node(c.wait)
             gm.graph.erase_node(c.issue)
-            _erase_unread(gm, source)
+            if cast is not None and not cast.users:
+                gm.graph.erase_node(cast)
         return gm
 
-
-def _erase_unread(gm: fx.GraphModule, node) -> None:
-    """Erase `node` and what fed only it, when nothing reads it and removing it changes no other
-    value: a pure op, or a `copy_` into a buffer that only it writes (a cast into an empty)."""
-    stack = [node]
-    while stack:
-        n = stack.pop()
-        if not isinstance(n, fx.Node) or n.op != "call_function" or n.users:
-            continue
-        writes_own_buffer = (
-            n.target is _aten.copy_.default and isinstance(n.args[0], fx.Node) and set(n.args[0].users) == {n}
-        )
-        if not (_is_pure(n) or writes_own_buffer):
-            continue
-        inputs = n.all_input_nodes
-        gm.graph.erase_node(n)
-        stack.extend(inputs)
