@@ -82,3 +82,9 @@ def test_api_reference_shows_every_documented_public_name(site):
             if f'id="{module.__name__}.{name}"' not in html:
                 missing.append(f"{module.__name__}.{name}")
     assert not missing, f"public names missing from the API reference: {missing}"
+
+
+def test_the_fs_reference_opens_with_the_names_a_user_starts_with(site):
+    html = (site / "api/fs" / "index.html").read_text()
+    ids = re.findall(r'id="functional_shard\.(\w+)"', html)
+    assert ids[:3] == ["init_mesh", "functionalize", "sharded_step"], ids[:8]
