@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import struct
 from pathlib import Path
 from typing import Any, Iterator, NamedTuple
@@ -103,9 +104,13 @@ def export(state: StepState | Sharded, path: str | os.PathLike | None = None, *,
     leaves at their place in the file and drops it before the next is gathered, so no rank holds
     more than its shards plus one buffer gathered whole (at most one unit's parameters). Names
     are the state dict's (as above; non-persistent buffers left out), module buffers rank 0's.
-    The file is written to `<path>.partial` and renamed at the end: `path` holds either the
-    complete file or what it held before. Returns None on every rank once the file is in
-    place, or raises `ExportError` on every rank (e.g. a dtype safetensors cannot store,
+    The file is written to a new temporary file of its own next to it,
+    `<path>.partial-<16 random hex digits>` (created exclusively: never a file or link that
+    was there before), and renamed over `path` at the end: `path` holds either a complete file
+    or what it held before, never a mix. If `path` changed while this export was writing (a
+    concurrent export to the same path finished first), this export discards its file and
+    raises `ExportError`: the first to finish wins. Returns None on every rank once the file is
+    in place, or raises `ExportError` on every rank (e.g. a dtype safetensors cannot store,
     named with its leaf, before anything is gathered).
     """
     if isinstance(state, StepState):
@@ -208,17 +213,66 @@ class FileHeader(NamedTuple):
         return FileHeader(struct.pack("<Q", len(text)) + text, buffers, local)
 
 
+def create_new_file(path: Path, mode: int = 0o666):
+    """A new file at `path`, open for binary writing; `FileExistsError` if anything is there.
+
+    `O_CREAT | O_EXCL | O_NOFOLLOW`: a file or symbolic link planted at `path` beforehand is
+    never opened, truncated or followed. Permissions as `open(path, "wb")` gives (`mode` less
+    the umask)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    return os.fdopen(os.open(path, flags, mode), "wb")
+
+
+def temporary_name(path: Path) -> Path:
+    """A name next to `path` to write it under: `<name>.partial-<16 random hex digits>`."""
+    return path.with_name(f"{path.name}.partial-{secrets.token_hex(8)}")
+
+
+def fsync_dir(path: Path) -> None:
+    """Make the entries of directory `path` (a rename into it) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _identity(path: Path) -> tuple | None:
+    """What is at `path` now (device, inode, size, modification time, mode), or None; a link is
+    not followed."""
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_mode)
+
+
 class _Writer:
-    """Rank 0's file: the header first, then each tensor's bytes in offset order."""
+    """Rank 0's file: the header first, then each tensor's bytes in offset order.
+
+    Written to a temporary file of its own (`temporary_name`, made by `create_new_file`), which
+    `commit` renames over `path` unless `path` changed since the writer started: another writer
+    finished first and wins; this one raises and leaves no file."""
 
     def __init__(self, path: Path, header: FileHeader):
         self.path = path
         self.header = header
-        self.tmp = path.with_name(path.name + ".partial")
         path.parent.mkdir(parents=True, exist_ok=True)
-        self.file = open(self.tmp, "wb")
-        self.file.write(header.header)
+        self.before = _identity(path)
+        self.tmp = temporary_name(path)
+        try:
+            self.file = create_new_file(self.tmp)
+        except FileExistsError:
+            raise ExportError(
+                f"{self.tmp} already exists (planted there?): fs.export never writes through an existing file or "
+                f"link; remove it and export again"
+            ) from None
         self.base = len(header.header)
+        try:
+            self.file.write(header.header)
+        except BaseException:
+            self.abandon()
+            raise
 
     def _write(self, record: Record, tensor: torch.Tensor) -> None:
         assert self.file.tell() == self.base + record.start, "tensors must be written in offset order"
@@ -243,7 +297,17 @@ class _Writer:
         self.file.flush()
         os.fsync(self.file.fileno())
         self.file.close()
+        # The first writer to finish wins: replace `path` only if it is what this export found
+        # there when it started. (Two commits within the microseconds between this check and
+        # the rename both succeed and the last one's file stays: whole either way.)
+        if _identity(self.path) != self.before:
+            raise ExportError(
+                f"{self.path} changed while this export was writing it (another fs.export to the same path "
+                f"finished first?): it holds the other writer's file, whole, and this export's was discarded. "
+                f"Export to another path, or again once the other is done"
+            )
         os.replace(self.tmp, self.path)
+        fsync_dir(self.path.parent)
 
     def abandon(self) -> None:
         try:

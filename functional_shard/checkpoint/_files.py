@@ -1,9 +1,18 @@
-"""Checkpoint directories on disk: atomic writes, the commit marker, and reading chunks back.
+"""Checkpoint directories on disk: atomic writes, the commit marker, integrity, reading chunks back.
 
 A save writes into `<path>.partial-<token>/`: `index.json` first (rank 0), then one
 `rank-XXXXX.safetensors` per writing rank (each written to `.tmp`, fsynced, renamed), then,
 once every rank has reported its file, `COMMIT` (rank 0, fsynced) and finally renames the
-directory to `<path>` (atomic on POSIX). A directory without `COMMIT` is never read.
+directory to `<path>` (atomic on POSIX). A directory without `COMMIT` is never read. Every
+temporary file is created exclusively (`O_EXCL | O_NOFOLLOW`): nothing planted at its name is
+written through.
+
+Integrity: the save's identity (`save`, 16 random hex digits, new for every save) is in the
+index, the marker and every rank file's metadata; each rank file's metadata holds the CRC-32 of
+every tensor it stores, and the marker the CRC-32 of every rank file's header (which holds
+those). A reader checks a file's header against the marker, its identity against the index,
+and every chunk it reads against its CRC: a changed byte, or a file from another save, is
+refused naming the file.
 
 Nothing here executes code from a file: the index and the marker are JSON, the tensors are
 safetensors (a JSON header and raw bytes).
@@ -15,73 +24,184 @@ import json
 import os
 import re
 import shutil
+import struct
+import zlib
 from pathlib import Path
 from typing import Any
 
 import safetensors
-import safetensors.torch
 import torch
 
+from .._export import SAFETENSORS_DTYPES, create_new_file
+from .._export import fsync_dir as fsync_dir
 from ._format import COMMIT, FORMAT, INDEX, VERSION, CheckpointError, Entry, entry_from_json
 
 _RANK_FILE = re.compile(r"rank-\d{5,}\.safetensors")
+_HEX = re.compile(r"[0-9a-f]{8}|[0-9a-f]{16}")
+_MAX_HEADER = 100_000_000  # safetensors' own limit on a header
+_MAX_DEPTH = 16  # no checkpoint's JSON nests deeper (the index: 5 levels)
 
-__all__ = ["write_bytes", "write_rank_file", "fsync_dir", "commit", "open_index", "ChunkReader"]
+__all__ = [
+    "write_bytes",
+    "write_rank_file",
+    "fsync_dir",
+    "commit",
+    "not_a_checkpoint",
+    "open_index",
+    "ChunkReader",
+    "checksum",
+]
+
+
+def checksum(tensor: torch.Tensor) -> str:
+    """The CRC-32 of a contiguous CPU tensor's bytes, as 8 hex digits (fixed width: a file's
+    size does not depend on its checksums)."""
+    data = tensor.reshape(-1).view(torch.uint8).numpy() if tensor.numel() else b""
+    return f"{zlib.crc32(data):08x}"
 
 
 def write_bytes(path: Path, data: bytes) -> None:
     """Write `data` to `path` so that `path` holds either nothing or all of it."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
+    with create_new_file(tmp) as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
 
 
-def write_rank_file(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> int:
-    """Write one rank's chunks as a safetensors file (via `.tmp`, fsynced); returns its size."""
+def write_rank_file(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> tuple[int, str]:
+    """Write one rank's chunks (contiguous CPU tensors) as a safetensors file, via `.tmp`, fsynced.
+
+    The metadata gets `crc32`: every tensor's `checksum`, as JSON. Tensors are laid out widest
+    dtype first, each at an offset aligned to its element size. Returns the file's size and the
+    CRC-32 of its header (8-byte length and JSON), for the commit marker."""
+    names = sorted(tensors, key=lambda name: (-tensors[name].element_size(), name))
+    entries: dict[str, dict] = {}
+    offset = 0
+    for name in names:
+        tensor = tensors[name]
+        if tensor.dtype not in SAFETENSORS_DTYPES:
+            raise CheckpointError(f"{name!r} is {tensor.dtype}, which safetensors cannot store")
+        nbytes = tensor.numel() * tensor.element_size()
+        entries[name] = {"dtype": SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    crcs = json.dumps({name: checksum(tensors[name]) for name in names}, separators=(",", ":"))
+    text = json.dumps({"__metadata__": {**metadata, "crc32": crcs}, **entries}, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    header = struct.pack("<Q", len(text)) + text
     tmp = path.with_name(path.name + ".tmp")
-    safetensors.torch.save_file(tensors, str(tmp), metadata=metadata)
-    with open(tmp, "rb+") as f:
+    with create_new_file(tmp) as f:
+        f.write(header)
+        for name in names:
+            if tensors[name].numel():
+                f.write(memoryview(tensors[name].reshape(-1).view(torch.uint8).numpy()))
+        f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    return path.stat().st_size
+    return len(header) + offset, f"{zlib.crc32(header):08x}"
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def commit(tmp: Path, path: Path, sizes: dict[str, int], overwrite: bool, token: str) -> None:
+def commit(tmp: Path, path: Path, marker: dict, overwrite: bool, token: str) -> None:
     """Rank 0, once every file is on disk: write the marker, then move the directory in place.
 
-    With `overwrite`, an existing checkpoint at `path` is first renamed to `<path>.old-<token>`
-    and removed once the new one is in place: a crash between the two renames leaves it there
-    (`load` names it), never a mix of both."""
-    write_bytes(tmp / COMMIT, json.dumps({"format": FORMAT, "version": VERSION, "files": sizes}).encode())
+    `marker`: the `COMMIT` marker's contents (files and their sizes, header checksums, the
+    save). With `overwrite`, an existing checkpoint at `path` (and only a checkpoint, see
+    `not_a_checkpoint`) is first renamed to `<path>.old-<token>` and removed once the new one is
+    in place: a crash between the two renames leaves it there (`load` names it), never a mix of
+    both. If the new directory cannot take its place, the old one is moved back. On error the
+    caller removes `tmp`."""
+    write_bytes(tmp / COMMIT, json.dumps({"format": FORMAT, "version": VERSION, **marker}).encode())
     fsync_dir(tmp)
     old = None
-    if path.exists():
+    if os.path.lexists(path):
         if not overwrite:
-            raise CheckpointError(f"{path} already exists: pass overwrite=True to replace it")
+            raise CheckpointError(f"{path} already exists (another save finished first?): pass overwrite=True to replace it")
+        refuse_unless_checkpoint(path)
         old = path.with_name(f"{path.name}.old-{token}")
         os.rename(path, old)
-    os.rename(tmp, path)
+        reason = not_a_checkpoint(old)  # changed between the check and the rename
+        if reason is not None:
+            where = _move_back(old, path)
+            raise CheckpointError(f"{path} is not a functional_shard checkpoint ({reason}): not replaced; {where}")
+    try:
+        os.rename(tmp, path)
+    except OSError as error:
+        if old is None:
+            raise
+        raise CheckpointError(f"could not move {tmp} to {path} ({error}); the previous checkpoint: {_move_back(old, path)}") from error
     fsync_dir(path.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _read_json(path: Path, what: str) -> dict:
+def _move_back(old: Path, path: Path) -> str:
     try:
-        value = json.loads(path.read_bytes().decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as error:
-        raise CheckpointError(f"{path} is not a functional_shard checkpoint {what} (not JSON): {error}") from None
+        os.rename(old, path)
+    except OSError as error:
+        return f"left at {old}, as something now occupies {path} ({error})"
+    return f"left in place at {path}"
+
+
+def not_a_checkpoint(path: Path) -> str | None:
+    """Why `path` is not a committed functional_shard checkpoint that an overwrite may replace
+    (in words), or None when it is: a directory (not a link) holding a `COMMIT` marker of this
+    format and nothing but the files that marker and the index name."""
+    if os.path.islink(path):
+        return "a symbolic link"
+    if not path.is_dir():
+        return "not a directory"
+    marker = path / COMMIT
+    if os.path.islink(marker) or not marker.is_file():
+        return f"no {COMMIT} marker"
+    try:
+        files = _files_of(_read_json(marker, "commit marker"), marker)
+    except CheckpointError as error:
+        return f"its {COMMIT} is not a functional_shard commit marker: {error}"
+    others = sorted(set(os.listdir(path)) - {INDEX, COMMIT, *files})
+    if others:
+        return f"it holds {', '.join(others[:5])}{', ...' if len(others) > 5 else ''}, which no checkpoint holds"
+    return None
+
+
+def refuse_unless_checkpoint(path: Path) -> None:
+    """Raise `CheckpointError` unless `path` is a checkpoint an overwrite may replace."""
+    reason = not_a_checkpoint(path)
+    if reason is not None:
+        raise CheckpointError(
+            f"{path} is not a functional_shard checkpoint ({reason}): overwrite=True only ever replaces a committed "
+            f"checkpoint, and nothing was deleted. Save to another path, or move {path} away first"
+        )
+
+
+def _depth(value: Any) -> int:
+    """How deep `value` (parsed JSON) nests, counted without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        deepest = max(deepest, depth)
+        if depth > _MAX_DEPTH:
+            break
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+def parse_json(data: bytes | str, what: str) -> Any:
+    """JSON from a checkpoint, or `CheckpointError` (not JSON, or nested deeper than any
+    checkpoint's JSON: never a `RecursionError`)."""
+    try:
+        value = json.loads(data.decode("utf-8") if isinstance(data, bytes) else data)
+    except (UnicodeDecodeError, ValueError, RecursionError) as error:
+        reason = "nested too deeply" if isinstance(error, RecursionError) else error
+        raise CheckpointError(f"{what} is not a functional_shard checkpoint's JSON ({reason})") from None
+    if _depth(value) > _MAX_DEPTH:
+        raise CheckpointError(f"{what} is not a functional_shard checkpoint's JSON (nested more than {_MAX_DEPTH} levels deep)")
+    return value
+
+
+def _read_json(path: Path, what: str) -> dict:
+    value = parse_json(path.read_bytes(), f"{path} ({what})")
     if not isinstance(value, dict) or value.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a functional_shard checkpoint {what}")
     return value
@@ -151,7 +271,8 @@ def glob_escape(name: str) -> str:
 
 
 class ChunkReader:
-    """Reads ranges of a checkpoint's logical tensors from their chunks. Use as a context manager."""
+    """Reads ranges of a checkpoint's logical tensors from their chunks, each chunk checked
+    against its CRC-32 and each file against the commit marker. Use as a context manager."""
 
     def __init__(self, directory: str | os.PathLike, index: dict):
         self.directory = Path(directory)
@@ -167,36 +288,84 @@ class ChunkReader:
             for file, *_ in chunks:
                 if file not in allowed:
                     raise CheckpointError(f"the chunks of {entry.key!r} name a file {file!r:.80} that the index does not list")
-        self._open: dict[str, Any] = {}
+        marker = _read_json(self.directory / COMMIT, "commit marker")
+        self.save = index.get("save")
+        if not (isinstance(self.save, str) and _HEX.fullmatch(self.save)) or marker.get("save") != self.save:
+            raise CheckpointError(
+                f"{self.directory}: its {COMMIT} marker (save {marker.get('save')!r:.40}) and {INDEX} (save "
+                f"{self.save!r:.40}) are not from the same save: one was copied from another checkpoint"
+            )
+        self.headers = marker.get("headers")
+        if not isinstance(self.headers, dict) or set(self.headers) != allowed:
+            raise CheckpointError(f"{self.directory / COMMIT} lacks the checksums of the files the index lists")
+        self._open: dict[str, tuple[Any, dict[str, str]]] = {}
 
     def __enter__(self) -> "ChunkReader":
         return self
 
     def __exit__(self, *exc) -> None:
-        for handle in self._open.values():
+        for handle, _ in self._open.values():
             handle.__exit__(None, None, None)
         self._open.clear()
 
-    def _file(self, name: str):
+    def _file(self, name: str) -> tuple[Any, dict[str, str]]:
+        """The open file `name` and its tensors' checksums, once its header is checked."""
         if name not in self._open:
+            path = self.directory / name
+            metadata = self._check_header(path, name)
+            crcs = parse_json(metadata.get("crc32", ""), f"the checksums in {path}")
+            if not isinstance(crcs, dict) or not all(isinstance(v, str) for v in crcs.values()):
+                raise CheckpointError(f"{path} has malformed checksums")
             try:
-                handle = safetensors.safe_open(str(self.directory / name), framework="pt", device="cpu")
-                self._open[name] = handle.__enter__()
+                handle = safetensors.safe_open(str(path), framework="pt", device="cpu")
+                self._open[name] = (handle.__enter__(), crcs)
             except Exception as error:  # safetensors raises its own SafetensorError
-                raise CheckpointError(f"{self.directory / name} is not a readable safetensors file: {error}") from None
+                raise CheckpointError(f"{path} is not a readable safetensors file: {error}") from None
         return self._open[name]
 
-    def _chunk(self, entry: Entry, file: str, name: str, start: int, stop: int) -> torch.Tensor:
-        handle = self._file(file)
+    def _check_header(self, path: Path, name: str) -> dict:
+        """The metadata of rank file `path`, once its header's CRC-32 equals the committed one
+        and its save is this checkpoint's; else `CheckpointError` naming the file and why."""
+        with open(path, "rb") as f:
+            length = f.read(8)
+            n = struct.unpack("<Q", length)[0] if len(length) == 8 else -1
+            if not 0 < n <= _MAX_HEADER:
+                raise CheckpointError(f"{path} is not a readable safetensors file (its header length is {n})")
+            header = length + f.read(n)
+        try:
+            metadata = parse_json(header[8:], f"the header of {path}").get("__metadata__")
+        except (CheckpointError, AttributeError):
+            metadata = None
+        if not isinstance(metadata, dict):
+            raise CheckpointError(f"{path} is not a readable rank file of a functional_shard checkpoint (no metadata)")
+        saved_by = metadata.get("save")
+        if saved_by != self.save:
+            raise CheckpointError(
+                f"{path} was written by another save ({saved_by!r:.40}) than this checkpoint ({self.save}): a file "
+                f"copied from another checkpoint? Refused; restore the file this save wrote, or load another checkpoint"
+            )
+        if f"{zlib.crc32(header):08x}" != self.headers[name]:
+            raise CheckpointError(
+                f"{path}: its header does not match the one committed (CRC-32 {zlib.crc32(header):08x}, committed "
+                f"{self.headers[name]!r:.20}): the file is corrupted. Refused; restore it, or load another checkpoint"
+            )
+        return metadata
+
+    def _chunk(self, entry: Entry, file: str, name: str, size: int, start: int, stop: int) -> torch.Tensor:
+        """Elements `[start, stop)` of chunk `name` (`size` elements) in `file`; the whole chunk
+        is read and checked against its CRC-32."""
+        handle, crcs = self._file(file)
         if name not in handle.keys():
             raise CheckpointError(f"{self.directory / file} lacks tensor {name!r} (a chunk of {entry.key!r})")
-        if entry.sharded:
-            piece = handle.get_slice(name)[start:stop]
-        else:
-            piece = handle.get_tensor(name).reshape(-1)[start:stop]
-        if piece.dtype != entry.dtype or piece.numel() != stop - start:
+        chunk = handle.get_tensor(name).reshape(-1)
+        if chunk.dtype != entry.dtype or chunk.numel() != size:
             raise CheckpointError(f"chunk {name!r} of {entry.key!r} in {file} is not {entry.describe()} data")
-        return piece
+        if checksum(chunk) != crcs.get(name):
+            raise CheckpointError(
+                f"{self.directory / file}: tensor {name!r} (a chunk of {entry.key!r}) does not match its CRC-32: the file "
+                f"is corrupted (its bytes changed after the save). Refused; restore it, or load another checkpoint"
+            )
+        return chunk[start:stop]
 
     def read_range(self, key: str, start: int, length: int) -> torch.Tensor:
         """Elements `[start, start + length)` of tensor `key` flattened (a new 1-D CPU tensor)."""
@@ -206,7 +375,7 @@ class ChunkReader:
         for file, name, offset, size in chunks:
             lo, hi = max(start, offset), min(stop, offset + size)
             if lo < hi:
-                out[lo - start : hi - start] = self._chunk(entry, file, name, lo - offset, hi - offset)
+                out[lo - start : hi - start] = self._chunk(entry, file, name, size, lo - offset, hi - offset)
         return out
 
     def read(self, key: str) -> torch.Tensor:

@@ -31,7 +31,7 @@ from .._layout import BufferSpec, Layout
 from .._pytree import NAMESPACE
 
 FORMAT = "functional_shard.checkpoint"
-VERSION = 1
+VERSION = 2  # 2: the save's identity and CRC-32 checksums (version 1 had neither)
 INDEX = "index.json"  # what the checkpoint holds and where (rank 0 writes it first)
 COMMIT = "COMMIT"  # the marker rank 0 writes last, once every rank's file is on disk
 
@@ -259,6 +259,20 @@ def check_compatible(saved: list[Entry], saved_structure: str, expected: list[En
         for entry in saved:
             if entry.key.startswith(part) and entry.key not in expected_keys:
                 raise differ(f"{entry.key!r} ({entry.describe()}) is in the checkpoint but not in this state")
+    for entry in expected:
+        other = by_key.get(entry.key)
+        if other is None and entry.key.startswith("state/loss_scale/"):
+            raise CheckpointError(
+                f"{where} has no loss-scale state ({entry.key!r} is not in it): it was saved by a step without fp16 "
+                f"loss scaling (`fs.LossScale`), and this state has it. To go on with loss scaling, load it into a "
+                f"template of the step it was saved from (the same units, no loss_scale) and start the scale afresh: "
+                f"`state = template.replace(params=loaded.params, opt_state=loaded.opt_state, rng=loaded.rng, "
+                f"step=loaded.step)`, `template` being `step.init(params)` of the loss-scaled step"
+            )
+        if other is None:
+            raise differ(f"{entry.key!r} ({entry.describe()}) is not in the checkpoint")
+        if other.shape != entry.shape or other.dtype != entry.dtype:
+            raise differ(f"{entry.key!r} is {other.describe()} in the checkpoint but {entry.describe()} in this state")
     for entry in saved:
         if entry.key not in expected_keys:
             raise differ(f"{entry.key!r} ({entry.describe()}) is in the checkpoint but not in this state")

@@ -45,6 +45,9 @@ def save(path: str | os.PathLike, state: StepState, *, overwrite: bool = False) 
             rank sees. Its parent is created if needed.
         state: a `StepState` (from `step.init` or a step), this rank's part of it.
         overwrite: replace an existing checkpoint at `path` (default: raise `CheckpointError`).
+            Only ever a committed functional_shard checkpoint: a directory with a `COMMIT`
+            marker and no other files than the checkpoint's. Anything else at `path` (a link, a
+            file, a run directory with a log) raises `CheckpointError` and is left untouched.
 
     Each shard rank writes only its own chunks (`rank-XXXXX.safetensors`): the pieces of each
     parameter and parameter-like optimizer tensor its shards hold. On a hybrid mesh only the
@@ -55,8 +58,13 @@ def save(path: str | os.PathLike, state: StepState, *, overwrite: bool = False) 
     Atomic: everything goes to `<path>.partial-<token>/`, and only once every rank has written
     its file does rank 0 write the `COMMIT` marker and rename the directory to `path`. A save
     that fails or is killed part-way leaves any previous checkpoint untouched, and `load` refuses
-    the partial directory, saying which files are missing. A collective: returns on every rank
-    once the checkpoint is committed, or raises on every rank.
+    the partial directory, saying which files are missing; a save that fails (a rank's write,
+    or the commit: a concurrent save that committed first, a rename refused) removes it. A
+    collective: returns on every rank once the checkpoint is committed, or raises on every rank.
+
+    Bound: the save's identity (`token`) is in the index, the marker and every rank file; each
+    rank file holds the CRC-32 of each of its tensors, and the marker the CRC-32 of each file's
+    header, so that `load` refuses a changed byte or a file of another save (see `_files`).
     """
     if not isinstance(state, StepState):
         raise TypeError(f"fs.checkpoint.save expects the StepState of a sharded step; got {type(state).__name__}")
@@ -71,18 +79,28 @@ def save(path: str | os.PathLike, state: StepState, *, overwrite: bool = False) 
 
     # Rank 0 picks the directory to write into and writes the index there first, so that an
     # interrupted save can always say which files it lacks.
-    code, error = 0, None
+    code, created, error = 0, False, None
     if mesh.rank == 0:
         try:
-            if path.exists() and not overwrite:
-                raise CheckpointError(f"{path} already exists: pass overwrite=True to replace it (or save elsewhere)")
-            code = secrets.randbits(62) + 1
+            if os.path.lexists(path):
+                if not overwrite:
+                    raise CheckpointError(f"{path} already exists: pass overwrite=True to replace it (or save elsewhere)")
+                _files.refuse_unless_checkpoint(path)
+            code = _new_token()
             tmp = _partial(path, code)
-            tmp.mkdir(parents=True)
-            index = _index(state, slots, str(structure), writers)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                tmp.mkdir()  # never a directory or link that was there before
+            except FileExistsError:
+                raise CheckpointError(
+                    f"{tmp} already exists (planted there?): a save never writes into a directory or link it did not "
+                    f"create; remove it and save again"
+                ) from None
+            created = True
+            index = _index(state, slots, str(structure), writers, _save_id(code))
             _files.write_bytes(tmp / INDEX, _json(index))
         except Exception as e:  # noqa: BLE001 (every rank must learn of it)
-            if code > 0:
+            if created:
                 shutil.rmtree(_partial(path, code), ignore_errors=True)
             code, error = -1, e
     code = mesh.agree(OPERATION, code)[0]
@@ -92,26 +110,32 @@ def save(path: str | os.PathLike, state: StepState, *, overwrite: bool = False) 
         raise CheckpointError(f"rank 0 could not start the checkpoint at {path} (see its error); nothing was written")
     tmp = _partial(path, code)
 
-    size, error = 0, None
+    size, header, error = 0, "0", None
     if mesh.rank in writers.values():
         try:
             tensors = _rank_tensors(state, slots, mesh.shard_index, whole=mesh.rank == 0)
-            metadata = {"format": FORMAT, "version": str(VERSION), "rank": str(mesh.rank)}
-            size = _files.write_rank_file(tmp / rank_file(mesh.rank), tensors, metadata)
+            metadata = {"format": FORMAT, "version": str(VERSION), "rank": str(mesh.rank), "save": _save_id(code)}
+            size, header = _files.write_rank_file(tmp / rank_file(mesh.rank), tensors, metadata)
         except Exception as e:  # noqa: BLE001
             error = e
     sizes = mesh.agree(OPERATION, -1 if error else size)
+    headers = mesh.agree(OPERATION, int(header, 16) if size else 0)  # CRC-32s of the files' headers
     failed = [r for r, size in enumerate(sizes) if size < 0]
     committed = 0
     if not failed and mesh.rank == 0:
         try:
-            files = {rank_file(r): sizes[r] for r in sorted(writers.values())}
-            _files.commit(tmp, path, files, overwrite, f"{code:016x}")
+            ranks = sorted(writers.values())
+            marker = {
+                "save": _save_id(code),
+                "files": {rank_file(r): sizes[r] for r in ranks},
+                "headers": {rank_file(r): f"{headers[r]:08x}" for r in ranks},
+            }
+            _files.commit(tmp, path, marker, overwrite, f"{code:016x}")
             committed = 1
         except Exception as e:  # noqa: BLE001
             error = e
-    if failed and mesh.rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
+    if mesh.rank == 0 and not committed:
+        shutil.rmtree(tmp, ignore_errors=True)  # once moved into place it is no longer there
     committed = mesh.agree(OPERATION, committed)[0]
     if error is not None:
         raise error
@@ -119,6 +143,15 @@ def save(path: str | os.PathLike, state: StepState, *, overwrite: bool = False) 
         raise CheckpointError(f"ranks {failed} could not write their part of {path} (see their errors); nothing was committed")
     if not committed:
         raise CheckpointError(f"rank 0 could not commit {path} (see its error); the previous checkpoint, if any, is intact")
+
+
+def _new_token() -> int:
+    """A save's random token (62 bits, never 0): its partial directory's name and its identity."""
+    return secrets.randbits(62) + 1
+
+
+def _save_id(code: int) -> str:
+    return f"{code:016x}"
 
 
 def _partial(path: Path, code: int) -> Path:
@@ -182,7 +215,7 @@ def _rank_tensors(state: StepState, slots: list[OptimizerSlot], shard_index: int
     return tensors
 
 
-def _index(state: StepState, slots: list[OptimizerSlot], structure: str, writers: dict[int, int]) -> dict:
+def _index(state: StepState, slots: list[OptimizerSlot], structure: str, writers: dict[int, int], save: str) -> dict:
     import functional_shard
 
     layout, mesh = state.params.layout, state.params.mesh
@@ -198,6 +231,7 @@ def _index(state: StepState, slots: list[OptimizerSlot], structure: str, writers
     return {
         "format": FORMAT,
         "version": VERSION,
+        "save": save,
         "step": int(state.step),
         "optimizer_structure": structure,
         "saved_by": {
