@@ -4,6 +4,7 @@ the rank that failed first. Functions run in ranks are module-level (pickled by 
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -160,6 +161,76 @@ def test_launched_ranks_keep_freed_memory_unless_told_not_to():
     # from a fresh mmap that is returned to the OS when freed and page-faulted in again.
     assert fs.launch(mmapped_blocks_of_a_20_mib_tensor, world_size=1) == 0
     assert fs.launch(mmapped_blocks_of_a_20_mib_tensor, world_size=1, keep_freed_memory=False) == 1
+
+
+# --- one call under either launcher ----------------------------------------------------------------
+
+_EITHER_LAUNCHER = """
+import json, os, sys
+import torch, torch.distributed as dist
+import functional_shard as fs
+sys.path.insert(0, {tests!r})
+from test_launch import mmapped_blocks_of_a_20_mib_tensor
+
+def main(scale, fail_on_rank=None):
+    mesh = fs.init_mesh({{"fsdp": int(os.environ["WORLD_SIZE"])}})
+    if mesh.rank == fail_on_rank:
+        raise ValueError(f"rank {{mesh.rank}} says no")
+    total = mesh.all_reduce_flat(torch.full((1,), float(mesh.rank + 1))).item()
+    return {{"total": total * scale, "world": mesh.world_size, "rank": mesh.rank,
+            "threads": torch.get_num_threads(), "mmapped_blocks": mmapped_blocks_of_a_20_mib_tensor()}}
+
+if __name__ == "__main__":
+    fail_on_rank = int(sys.argv[1]) if len(sys.argv) > 1 else None
+    result = fs.launch(main, world_size=2, args=(10,), kwargs={{"fail_on_rank": fail_on_rank}})
+    print("RESULT " + json.dumps({{"rank": os.environ.get("RANK"), "result": result, "group_left": not dist.is_initialized()}}), flush=True)
+"""
+
+
+def _results(stdout: str) -> list[dict]:
+    return [json.loads(line[len("RESULT ") :]) for line in stdout.splitlines() if line.startswith("RESULT ")]
+
+
+def _either_launcher(tmp_path: Path, *launcher: str, fail_on_rank: int | None = None) -> subprocess.CompletedProcess:
+    script = tmp_path / "either.py"
+    script.write_text(_EITHER_LAUNCHER.format(tests=str(REPO / "tests")))
+    environment = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    environment["PYTHONPATH"] = f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+    environment["GLOO_SOCKET_IFNAME"] = "lo" if sys.platform.startswith("linux") else "lo0"
+    extra = [] if fail_on_rank is None else [str(fail_on_rank)]
+    return subprocess.run(
+        [sys.executable, *launcher, str(script), *extra], env=environment, capture_output=True, text=True, timeout=120
+    )
+
+
+_TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2")
+
+
+def test_one_call_runs_main_under_a_local_launch_and_under_torchrun(tmp_path):
+    expected = {"total": 30.0, "world": 2, "rank": 0, "threads": max(1, (os.cpu_count() or 1) // 2)}
+    if sys.platform.startswith("linux"):
+        expected["mmapped_blocks"] = 0  # fs.keep_freed_memory() ran in the rank, under either launcher
+    local = _either_launcher(tmp_path)
+    assert local.returncode == 0, local.stderr[-3000:]
+    [report] = _results(local.stdout)  # the launcher's process prints rank 0's result
+    assert report["rank"] is None and report["group_left"]
+    assert {k: report["result"][k] for k in expected} == expected
+
+    torchrun = _either_launcher(tmp_path, *_TORCHRUN)
+    assert torchrun.returncode == 0, torchrun.stderr[-3000:]
+    reports = sorted(_results(torchrun.stdout), key=lambda r: r["rank"])
+    assert [r["rank"] for r in reports] == ["0", "1"]  # every rank ran main in the process torchrun made
+    assert all(r["group_left"] for r in reports), "fs.launch under torchrun must end with fs.shutdown()"
+    assert reports[1]["result"] is None  # rank 0's result on rank 0 only
+    assert {k: reports[0]["result"][k] for k in expected} == expected
+
+
+def test_under_torchrun_a_rank_that_raises_ends_the_run(tmp_path):
+    started = time.monotonic()
+    done = _either_launcher(tmp_path, *_TORCHRUN, fail_on_rank=1)
+    assert done.returncode != 0 and "ValueError: rank 1 says no" in done.stderr, done.stderr[-3000:]
+    assert not _results(done.stdout)
+    assert time.monotonic() - started < 60  # torchrun stopped rank 0; nothing waited for a collective timeout
 
 
 # --- a pool of ranks -----------------------------------------------------------------------------
