@@ -21,12 +21,21 @@ Optimizers compose with gradient transformations (updates -> updates):
 
     opt = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(1e-3))
 
-Writing one: `make_optimizer(init, scalars, apply)` from the blocks `check_params`,
-`check_like`, `as_schedule`, `scalar`, `zeros_like`, `clone` and `apply_per_leaf`
-(an example is in `functional_shard/optim/_blocks.py`).
+Parameter groups (per-leaf hyperparameters, by rules on the leaves' paths) and
+learning-rate schedules are values too:
 
-Results are bit-identical to `torch.optim.AdamW` / `torch.optim.SGD` stepping the
-same tensors on CPU.
+    opt = optim.adamw(optim.warmup_cosine_schedule(3e-4, warmup_steps=100, steps=1000),
+                      weight_decay=0.1, groups=[optim.group("*.bias", "*norm*", weight_decay=0.0)])
+
+and `from_torch(torch_optimizer, model, scheduler)` converts a `torch.optim` AdamW / SGD with
+its param groups and lr scheduler.
+
+Writing one: `make_optimizer(init, scalars, apply)` from the blocks `check_params`,
+`check_like`, `as_schedule`, `scalar`, `zeros_like`, `clone`, `apply_per_leaf` and, for
+parameter groups, `apply_per_group` (an example is in `functional_shard/optim/_blocks.py`).
+
+Results are bit-identical to `torch.optim.AdamW` / `torch.optim.SGD` (with the same param
+groups and `torch.optim.lr_scheduler`) stepping the same tensors on CPU.
 """
 
 from ._adamw import AdamWState as AdamWState
@@ -58,6 +67,20 @@ from ._clip import clip_by_global_norm as clip_by_global_norm
 from ._exact import scalar as scalar
 from ._global import global_norm as global_norm
 from ._global import global_sum as global_sum
+from ._groups import LeafLayout as LeafLayout
+from ._groups import LeafRange as LeafRange
+from ._groups import ParamGroup as ParamGroup
+from ._groups import apply_per_group as apply_per_group
+from ._groups import group as group
+from ._schedules import constant_schedule as constant_schedule
+from ._schedules import cosine_schedule as cosine_schedule
+from ._schedules import join_schedules as join_schedules
+from ._schedules import lambda_schedule as lambda_schedule
+from ._schedules import linear_schedule as linear_schedule
+from ._schedules import warmup_cosine_schedule as warmup_cosine_schedule
+from ._schedules import warmup_linear_schedule as warmup_linear_schedule
+from ._torch import as_optimizer as as_optimizer
+from ._torch import from_torch as from_torch
 from ._sgd import SGDState as SGDState
 from ._sgd import sgd as sgd
 
@@ -69,8 +92,11 @@ __all__ = [
     "Grads",
     "InitFn",
     "LRSchedule",
+    "LeafLayout",
+    "LeafRange",
     "OptState",
     "Optimizer",
+    "ParamGroup",
     "Params",
     "SGDState",
     "ScalarOrSchedule",
@@ -79,18 +105,29 @@ __all__ = [
     "UpdateFn",
     "Updates",
     "adamw",
+    "apply_per_group",
     "apply_per_leaf",
+    "as_optimizer",
     "as_schedule",
     "chain",
     "check_like",
     "check_params",
     "clip_by_global_norm",
     "clone",
+    "constant_schedule",
+    "cosine_schedule",
+    "from_torch",
     "global_norm",
     "global_sum",
+    "group",
+    "join_schedules",
+    "lambda_schedule",
+    "linear_schedule",
     "make_optimizer",
     "make_transformation",
     "scalar",
     "sgd",
+    "warmup_cosine_schedule",
+    "warmup_linear_schedule",
     "zeros_like",
 ]

@@ -34,6 +34,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import optree
 import torch
 
+from .._pytree import path_string
 from . import _exact
 from ._base import Grads, LRSchedule, Params, ScalarOrSchedule
 
@@ -177,7 +178,8 @@ def apply_per_leaf(
     updated in place, and `grad` is read only. A 0-d leaf is passed as a shape-(1,) view
     so that a 0-d float64 scalar in a binary op loses type promotion to it, as a Python
     float would (see `_exact`); a tree given as None (an optional state, e.g. AdamW's
-    `max_exp_avg_sq` without amsgrad) gives None leaves and stays None.
+    `max_exp_avg_sq` without amsgrad) gives None leaves and stays None. For hyperparameters
+    that differ from leaf to leaf (parameter groups), see `apply_per_group`.
 
     Arguments:
         step_leaf: `(param, grad, *state_leaves) -> None`, updating in place.
@@ -189,17 +191,31 @@ def apply_per_leaf(
 
     Returns `(new_params, new_states)`, `new_states` a dict with the keys of `states`.
     """
+    return apply_per_tensor(lambda _, *tensors: step_leaf(*tensors), grads, params, states, inplace=inplace)
+
+
+def apply_per_tensor(
+    step_tensor: Callable[..., None],
+    grads: Grads,
+    params: Params,
+    states: Mapping[str, Optional[Params]] = {},  # noqa: B006 (never mutated)
+    *,
+    inplace: bool = False,
+) -> tuple[Params, dict[str, Optional[Params]]]:
+    """`apply_per_leaf`, calling `step_tensor(path, param, grad, *state_leaves)`, where `path`
+    is the params leaf's path as `fs.tree_paths` writes it (in a step: the buffer name)."""
     accessors, p_leaves, spec = check_params(params)
     g_leaves = _check_like("grads", grads, accessors, p_leaves, spec)
     state_leaves = {
         name: None if tree is None else _check_like(f"state.{name}", tree, accessors, p_leaves, spec)
         for name, tree in states.items()
     }
+    names = [path_string(a.path) for a in accessors]
     with torch.no_grad():
         new_params = clone(p_leaves, inplace=inplace)
         new_states = {name: None if leaves is None else clone(leaves, inplace=inplace) for name, leaves in state_leaves.items()}
         columns = [leaves or [None] * len(p_leaves) for leaves in new_states.values()]
-        for param, grad, *state in zip(new_params, g_leaves, *columns):
-            step_leaf(*(None if t is None else _exact.as_1d(t) for t in (param, grad.detach(), *state)))
+        for name, param, grad, *state in zip(names, new_params, g_leaves, *columns):
+            step_tensor(name, *(None if t is None else _exact.as_1d(t) for t in (param, grad.detach(), *state)))
     unflatten = lambda leaves: None if leaves is None else optree.tree_unflatten(spec, leaves)  # noqa: E731
     return unflatten(new_params), {name: unflatten(leaves) for name, leaves in new_states.items()}

@@ -22,12 +22,12 @@ def chain(*components: Component) -> Component:
 
     Without a final optimizer the chain is itself a `GradientTransformation`.
 
-    * `init(params)` is the tuple of the components' states, in order.
+    * `init(params, *, leaves=None)` is the tuple of the components' states, in order.
     * `scalars(state)` is the tuple of the components' scalars (each computed from its
       own state), a pytree of 0-d float64 tensors.
-    * `apply(grads, state, params, scalars, *, inplace=False, mesh=None)` calls each
-      component's `apply` with its own state and scalars, the same `params`, and the
-      chain's `inplace` and `mesh` (with `inplace=True` the caller donates the grads
+    * `apply(grads, state, params, scalars, *, inplace=False, mesh=None, leaves=None)` calls
+      each component's `apply` with its own state and scalars, the same `params`, and the
+      chain's `inplace`, `mesh` and `leaves` (with `inplace=True` the caller donates the grads
       too: a transformation may scale them in place). Returns the last component's
       output and the tuple of the new states.
 
@@ -52,19 +52,19 @@ def chain(*components: Component) -> Component:
                 "fs.optim.GradientTransformation (or, last, an fs.optim.Optimizer)"
             )
 
-    def init(params: Params) -> tuple:
-        return tuple(c.init(params) for c in components)
+    def init(params: Params, *, leaves=None) -> tuple:
+        return tuple(c.init(params, leaves=leaves) for c in components)
 
     def scalars(state: OptState) -> tuple:
         _check_tuple("state", state, len(components))
         return tuple(c.scalars(s) for c, s in zip(components, state))
 
-    def apply(grads, state, params, scalars, *, inplace=False, mesh=None):  # an ApplyFn
+    def apply(grads, state, params, scalars, *, inplace=False, mesh=None, leaves=None):  # an ApplyFn
         _check_tuple("state", state, len(components))
         _check_tuple("scalars", scalars, len(components))
         out, new_states = grads, []
         for c, s, sc in zip(components, state, scalars):
-            out, s = c.apply(out, s, params, sc, inplace=inplace, mesh=mesh)
+            out, s = c.apply(out, s, params, sc, inplace=inplace, mesh=mesh, leaves=leaves)
             new_states.append(s)
         return out, tuple(new_states)
 
