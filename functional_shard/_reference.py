@@ -33,7 +33,7 @@ from ._layout import Layout
 from ._mesh import BaseMesh
 from ._pytree import tree_flatten, tree_map, tree_unflatten
 from ._shard import gather_buffer, gather_full
-from .optim import global_norm, global_sum
+from .optim import LeafLayout, global_norm, global_sum
 
 __all__ = [
     "StepError",
@@ -384,7 +384,8 @@ def update(fn: StepFunction, layout: Layout, shards, local, opt_state, loss_scal
     with _tracing.phase("update"):
         norm = global_norm(list(grads.values()), fn.mesh) if grads else torch.zeros(())
         new_trainable, new_opt_state = fn.optimizer.apply(
-            grads, opt_state, trainable, scalars, inplace=fn.donate, mesh=fn.mesh
+            grads, opt_state, trainable, scalars, inplace=fn.donate, mesh=fn.mesh,
+            leaves=LeafLayout.of_shards(layout, fn.mesh.shard_index),
         )
     skipped = torch.zeros((), dtype=torch.bool)
     if finite is not None:

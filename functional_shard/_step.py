@@ -28,7 +28,7 @@ from .initialize import shard_from
 from .precision import Precision
 from ._shard import Sharded, _check_shards, shard_leaves
 from ._units import Units
-from .optim import Optimizer
+from .optim import LeafLayout, Optimizer, as_optimizer
 from .schedule import Schedule
 
 __all__ = ["StepState", "ShardedStep", "sharded_step", "StepError"]
@@ -123,8 +123,7 @@ class ShardedStep:
             raise TypeError(f"loss_fn must be callable; got {type(loss_fn).__name__}")
         if not isinstance(mesh, BaseMesh):
             raise TypeError(f"mesh must be a mesh made by fs.init_mesh (an fs.BaseMesh); got {type(mesh).__name__}")
-        if not isinstance(optimizer, Optimizer):
-            raise TypeError(f"optimizer must be an fs.optim optimizer (init, update); got {type(optimizer).__name__}")
+        optimizer = as_optimizer(optimizer)  # a torch.optim object: a TypeError naming its fs equivalent
         if not isinstance(schedule, Schedule):
             raise TypeError(f"schedule must be an fs.Schedule; got {type(schedule).__name__}")
         if not isinstance(max_traces, int) or max_traces < 1:
@@ -210,7 +209,7 @@ class ShardedStep:
                 elif values == "check":
                     check_same_values(layout, leaves, self.mesh)
                 sharded = shard_leaves(layout, leaves, self.mesh)
-            opt_state = self.optimizer.init(_trainable(sharded))
+            opt_state = self.optimizer.init(_trainable(sharded), leaves=LeafLayout.of_shards(layout, self.mesh.shard_index))
         loss_scale = self._fn.loss_scale.init() if self._fn.loss_scale is not None else None
         return StepState(sharded, opt_state, loss_scale, torch.tensor(seed, dtype=torch.int64), 0, self._key)
 
@@ -228,7 +227,8 @@ class ShardedStep:
         local = [torch.empty(leaves[i].shape, dtype=leaves[i].dtype, device="meta") for i in layout.local]
         sharded = Sharded(layout, self.mesh, shards, local)
         loss_scale = self._fn.loss_scale.init() if self._fn.loss_scale is not None else None
-        return StepState(sharded, self.optimizer.init(_trainable(sharded)), loss_scale, torch.tensor(0), 0, self._key)
+        opt_state = self.optimizer.init(_trainable(sharded), leaves=LeafLayout.of_shards(layout, self.mesh.shard_index))
+        return StepState(sharded, opt_state, loss_scale, torch.tensor(0), 0, self._key)
 
     # --- the step -------------------------------------------------------------------------
 
