@@ -176,14 +176,16 @@ def refuse_unless_checkpoint(path: Path) -> None:
 
 def _depth(value: Any) -> int:
     """How deep `value` (parsed JSON) nests, counted without recursion."""
+    if not isinstance(value, (dict, list)):
+        return 0
     deepest, stack = 0, [(value, 1)]
     while stack:
         item, depth = stack.pop()
         deepest = max(deepest, depth)
         if depth > _MAX_DEPTH:
             break
-        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
-        stack.extend((child, depth + 1) for child in children)
+        children = item.values() if isinstance(item, dict) else item
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
     return deepest
 
 
@@ -298,18 +300,19 @@ class ChunkReader:
         self.headers = marker.get("headers")
         if not isinstance(self.headers, dict) or set(self.headers) != allowed:
             raise CheckpointError(f"{self.directory / COMMIT} lacks the checksums of the files the index lists")
-        self._open: dict[str, tuple[Any, dict[str, str]]] = {}
+        self._open: dict[str, tuple[Any, set[str], dict[str, str]]] = {}
 
     def __enter__(self) -> "ChunkReader":
         return self
 
     def __exit__(self, *exc) -> None:
-        for handle, _ in self._open.values():
+        for handle, _, _ in self._open.values():
             handle.__exit__(None, None, None)
         self._open.clear()
 
-    def _file(self, name: str) -> tuple[Any, dict[str, str]]:
-        """The open file `name` and its tensors' checksums, once its header is checked."""
+    def _file(self, name: str) -> tuple[Any, set[str], dict[str, str]]:
+        """The open file `name`, the names of its tensors and their checksums, once its header
+        is checked."""
         if name not in self._open:
             path = self.directory / name
             metadata = self._check_header(path, name)
@@ -318,7 +321,8 @@ class ChunkReader:
                 raise CheckpointError(f"{path} has malformed checksums")
             try:
                 handle = safetensors.safe_open(str(path), framework="pt", device="cpu")
-                self._open[name] = (handle.__enter__(), crcs)
+                handle = handle.__enter__()
+                self._open[name] = (handle, set(handle.keys()), crcs)
             except Exception as error:  # safetensors raises its own SafetensorError
                 raise CheckpointError(f"{path} is not a readable safetensors file: {error}") from None
         return self._open[name]
@@ -354,8 +358,8 @@ class ChunkReader:
     def _chunk(self, entry: Entry, file: str, name: str, size: int, start: int, stop: int) -> torch.Tensor:
         """Elements `[start, stop)` of chunk `name` (`size` elements) in `file`; the whole chunk
         is read and checked against its CRC-32."""
-        handle, crcs = self._file(file)
-        if name not in handle.keys():
+        handle, names, crcs = self._file(file)
+        if name not in names:
             raise CheckpointError(f"{self.directory / file} lacks tensor {name!r} (a chunk of {entry.key!r})")
         chunk = handle.get_tensor(name).reshape(-1)
         if chunk.dtype != entry.dtype or chunk.numel() != size:

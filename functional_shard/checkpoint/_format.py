@@ -264,10 +264,9 @@ def check_compatible(saved: list[Entry], saved_structure: str, expected: list[En
         if other is None and entry.key.startswith("state/loss_scale/"):
             raise CheckpointError(
                 f"{where} has no loss-scale state ({entry.key!r} is not in it): it was saved by a step without fp16 "
-                f"loss scaling (`fs.LossScale`), and this state has it. To go on with loss scaling, load it into a "
-                f"template of the step it was saved from (the same units, no loss_scale) and start the scale afresh: "
-                f"`state = template.replace(params=loaded.params, opt_state=loaded.opt_state, rng=loaded.rng, "
-                f"step=loaded.step)`, `template` being `step.init(params)` of the loss-scaled step"
+                f"loss scaling (`fs.LossScale`), and this state has it. To go on with loss scaling from a fresh "
+                f"scale: `state = fs.checkpoint.load(path, template.replace(loss_scale=None))"
+                f".replace(loss_scale=template.loss_scale)`"
             )
         if other is None:
             raise differ(f"{entry.key!r} ({entry.describe()}) is not in the checkpoint")

@@ -1,0 +1,85 @@
+"""What checkpoint integrity costs: save and load times of the GPT benchmark model, and the CRC-32s alone.
+
+    python benchmarks/checkpoint_integrity.py --world 2 --repeats 7
+
+Builds the `gpt` workload of `benchmarks/_workloads.py` (8 layers, d_model 256: 6.4 M parameters)
+with AdamW, takes one step (so the optimizer state is full), then saves it `--repeats` times to
+new directories and loads each back, on `--world` gloo processes; prints the median and spread
+of each, per rank, and how long `zlib.crc32` takes over this rank's bytes (what a save adds to
+write them and a load to read them). Run it from another checkout (`cd old && python
+/path/to/this`) to time another version of `fs.checkpoint`: it uses the public API only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import zlib
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import functional_shard as fs  # noqa: E402
+from _workloads import Workload  # noqa: E402
+
+
+def measure(mesh, directory: str, repeats: int) -> dict:
+    torch.set_num_threads(1)
+    workload = Workload("gpt")
+    apply_fn, params = fs.functionalize(workload.build(0))
+    step = fs.sharded_step(
+        lambda p, b: workload.loss(apply_fn(p, b[0]), b[1]), mesh, optimizer=fs.optim.adamw(1e-3), schedule=fs.Schedule(trace=False)
+    )
+    state, _ = step(step.init(params), workload.batch(2, seed=0, rank=mesh.rank, step=0))
+    saves, loads = [], []
+    template = step.init(params)
+    for i in range(repeats):
+        path = os.path.join(directory, f"c{i}")
+        mesh.all_gather_world(torch.zeros(1))
+        t = time.perf_counter()
+        fs.checkpoint.save(path, state)
+        saves.append(time.perf_counter() - t)
+        mesh.all_gather_world(torch.zeros(1))
+        t = time.perf_counter()
+        fs.checkpoint.load(path, template)
+        loads.append(time.perf_counter() - t)
+    tensors = [t.detach().contiguous() for t in fs.tree_leaves(state) if t.numel()]
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    crcs = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for tensor in tensors:
+            zlib.crc32(tensor.reshape(-1).view(torch.uint8).numpy())
+        crcs.append(time.perf_counter() - t)
+    return {"save": saves, "load": loads, "crc": crcs, "bytes": nbytes}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args()
+    directory = tempfile.mkdtemp(prefix="ckpt-integrity-")
+    try:
+        with fs.testing.LocalWorld(args.world, collective_timeout=300.0, call_timeout=1200.0) as world:
+            results = world.run(measure, directory, args.repeats)
+        size = sum(os.path.getsize(os.path.join(directory, "c0", n)) for n in os.listdir(os.path.join(directory, "c0")))
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+    def ms(values: list[float]) -> str:
+        return f"{1e3 * statistics.median(values):7.1f} ms (min {1e3 * min(values):.1f}, max {1e3 * max(values):.1f})"
+
+    print(f"fs {fs.__version__} at {os.path.dirname(fs.__file__)}; world {args.world}; checkpoint {size / 1e6:.1f} MB")
+    for rank, r in enumerate(results):
+        print(f"rank {rank}: save {ms(r['save'])}  load {ms(r['load'])}  crc32 of its {r['bytes'] / 1e6:.1f} MB {ms(r['crc'])}")
+
+
+if __name__ == "__main__":
+    main()
