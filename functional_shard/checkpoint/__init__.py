@@ -11,6 +11,9 @@ tensors cut into 1-D chunks, so a checkpoint depends on neither the world size n
 policy. See docs/checkpoints.md.
 """
 
+from ._dcp import load_dcp as load_dcp
+from ._dcp import read_dcp as read_dcp
+from ._dcp_save import save_dcp as save_dcp
 from ._format import CheckpointError as CheckpointError
 from ._full import from_safetensors as from_safetensors
 from ._full import load_full as load_full
@@ -18,4 +21,4 @@ from ._load import load as load
 from ._load import read as read
 from ._save import save as save
 
-__all__ = ["CheckpointError", "from_safetensors", "load", "load_full", "read", "save"]
+__all__ = ["CheckpointError", "from_safetensors", "load", "load_dcp", "load_full", "read", "read_dcp", "save", "save_dcp"]

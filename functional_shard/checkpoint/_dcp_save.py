@@ -1,0 +1,331 @@
+"""`save_dcp`: an fs state as a `torch.distributed.checkpoint` (DCP) checkpoint that an FSDP2 job loads.
+
+    fs.checkpoint.save_dcp(path, state, param_groups=[{"lr": 1e-3, "betas": (0.9, 0.999), ...}])   # every rank
+    # the FSDP2 job, at any world size:
+    sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+    dcp.load(sd, checkpoint_id=path)
+    set_model_state_dict(model, sd["model"]); set_optimizer_state_dict(model, opt, sd["optim"])
+
+What torch's recipe saves, under the same keys: `model.<name>` for every state-dict name (tied
+weights under each of their names, stored once), `optim.state.<name>.exp_avg` / `exp_avg_sq` /
+(`max_exp_avg_sq`) / `step` for every trainable leaf, `optim.param_groups.<i>.<field>` when
+given. A rank's shard of a flat buffer covers a range of each leaf it touches, not a block of
+rows: each range is stored as the few row blocks that tile it (`flat_range_slices`), which DCP
+records as chunks (n-D boxes) and any DCP reader reshards from. Each writing rank (one per shard
+index) writes `__<rank>_0.distcp`; rank 0 writes `.metadata` (the pickle of torch's own metadata
+classes, that `dcp.load` reads) once every rank's file is on disk, all in
+`<path>.partial-<token>/`, renamed to `path` at the end.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+from pathlib import Path
+from typing import Any, Mapping, NamedTuple, Sequence
+
+import torch
+
+from .._export import state_dict_names
+from .._layout import Layout
+from .._mesh import BaseMesh, _coordinates
+from .._shard import _check_shards
+from .._step import StepState, check_not_donated
+from ._dcp import ADAMW_STATE, _adamw_of
+from ._dcp_files import METADATA, PlannedTensor, data_file, metadata_bytes, write_item
+from ._files import fsync_dir, write_bytes
+from ._format import CheckpointError, shard_pieces
+from ._full import flat_range_slices
+
+__all__ = ["save_dcp"]
+
+OPERATION = "fs.checkpoint.save_dcp"
+
+
+def save_dcp(
+    path: str | os.PathLike,
+    state: StepState,
+    *,
+    model_key: str | None = "model",
+    optim_key: str | None = "optim",
+    param_groups: Sequence[Mapping[str, Any]] | None = None,
+    overwrite: bool = False,
+) -> None:
+    """Save `state` as a DCP checkpoint directory at `path` that FSDP2 (`dcp.load`) reads; every rank.
+
+    Arguments:
+        path: the directory to create, the same on every rank, on a file system every rank sees.
+        state: a `StepState` with `fs.optim.adamw` (alone or after stateless transformations),
+            this rank's part of it; with `optim_key=None`, any optimizer (the model only).
+        model_key / optim_key: the keys of the model's and the optimizer's state dicts, as in
+            `load_dcp` (`"model"` / `"optim"`: torch's recipe); `model_key=None` writes the
+            model's names at the top level (`dcp.load(model.state_dict(), ...)` reads them);
+            `optim_key=None` writes no optimizer state.
+        param_groups: the optimizer's hyperparameters as `torch.optim` holds them, e.g.
+            `[{"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01, "amsgrad": False,
+            ...}]`: every field the FSDP2 optimizer's `param_groups` has, since `dcp.load` asks for
+            each (plain values: numbers, bools, strings, None, tuples and lists of them). A
+            single group without `"params"` covers every trainable leaf; several groups must each
+            name theirs. None: none are written, and the FSDP2 side loads with
+            `planner=DefaultLoadPlanner(allow_partial_load=True)`, keeping its own.
+        overwrite: replace an existing directory at `path` (default: raise `CheckpointError`).
+
+    Values are written exactly: the parameters, AdamW's moments (as torch's per-parameter
+    `exp_avg`, `exp_avg_sq`) and its count (as every parameter's `step`, a 0-d tensor stored
+    once). Only the ranks at coordinate 0 on every replicate axis write tensors; module buffers
+    and the count come from rank 0. Atomic: a save that fails leaves nothing at `path` (nor
+    changes what was there); a collective that returns on every rank once `path` is complete,
+    or raises on every rank.
+    """
+    if not isinstance(state, StepState):
+        raise TypeError(f"fs.checkpoint.save_dcp expects the StepState of a sharded step; got {type(state).__name__}")
+    check_not_donated(state, OPERATION)
+    _check_shards(state.params)
+    layout, mesh = state.params.layout, state.params.mesh
+    mesh.agree(OPERATION)
+    path = Path(os.path.abspath(path))
+    mesh.check_same("the DCP checkpoint's path and contents", f"{path}|{layout.signature()}|{model_key}|{optim_key}")
+    adam = None
+    if optim_key is not None:
+        leaves, _, k = _adamw_of(state.opt_state)
+        adam = leaves[k]
+    groups = _param_groups(param_groups, layout, optim_key) if optim_key is not None else []
+    writers = _writers(mesh)
+    plan = {rank: _boxes(layout, adam, shard) for shard, rank in writers.items()}
+    plan[0] = plan.get(0, []) + _whole_items(layout, adam, state_dict_names(layout))
+    mine = plan.get(mesh.rank, [])
+
+    # Rank 0 makes the directory; every writing rank writes its file there.
+    code, error = 0, None
+    if mesh.rank == 0:
+        try:
+            if path.exists() and not overwrite:
+                raise CheckpointError(f"{path} already exists: pass overwrite=True to replace it (or save elsewhere)")
+            code = secrets.randbits(62) + 1
+            path.parent.mkdir(parents=True, exist_ok=True)
+            _partial(path, code).mkdir()
+        except Exception as e:  # noqa: BLE001 (every rank must learn of it)
+            code, error = -1, e
+    code = mesh.agree(OPERATION, code)[0]
+    if error is not None:
+        raise error
+    if code == -1:
+        raise CheckpointError(f"rank 0 could not start the DCP checkpoint at {path} (see its error); nothing was written")
+    tmp = _partial(path, code)
+    lengths: list[int] = []
+    try:
+        if mine or (mesh.rank == 0 and groups):
+            lengths = _write_file(tmp / data_file(mesh.rank), [_value(state, adam, item) for item in mine] + [value for _, _, value in groups])
+    except Exception as e:  # noqa: BLE001
+        error = e
+    most = max(len(items) for items in plan.values()) + len(groups)
+    mine_out = torch.full((1 + most,), -1, dtype=torch.int64)
+    mine_out[0] = 0 if error is None else 1
+    mine_out[1 : 1 + len(lengths)] = torch.tensor(lengths, dtype=torch.int64)
+    everyone = mesh.all_gather_world(mine_out).view(mesh.world_size, -1)
+    failed = [r for r in range(mesh.world_size) if everyone[r, 0]]
+    committed = 0
+    if not failed and mesh.rank == 0:
+        try:
+            sizes = {rank: everyone[rank, 1:].tolist() for rank in plan}
+            write_bytes(tmp / METADATA, _metadata(layout, adam, plan, sizes, groups, model_key, optim_key))
+            fsync_dir(tmp)
+            _commit(tmp, path, overwrite, code)
+            committed = 1
+        except Exception as e:  # noqa: BLE001
+            error = e
+    if mesh.rank == 0 and not committed:
+        shutil.rmtree(tmp, ignore_errors=True)
+    committed = mesh.agree(OPERATION, committed)[0]
+    if error is not None:
+        raise error
+    if failed:
+        raise CheckpointError(f"ranks {failed} could not write their part of {path} (see their errors); nothing was saved")
+    if not committed:
+        raise CheckpointError(f"rank 0 could not complete {path} (see its error); nothing was saved")
+
+
+class _Item(NamedTuple):
+    """One stored tensor item: a box of a leaf (or of its moment), or a whole tensor."""
+
+    leaf: int  # the leaf, or -1 for AdamW's count
+    source: str  # "params", a moment's name ("exp_avg", ...), or "count"
+    offsets: tuple[int, ...]  # the box in the leaf
+    sizes: tuple[int, ...]
+    buffer: int  # the buffer whose shard holds it, or -1: a whole tensor
+    shard_offset: int  # where the box's elements start in that shard
+
+
+def _moments(adam: Any) -> list[str]:
+    if adam is None:
+        return []
+    return [*ADAMW_STATE, *(["max_exp_avg_sq"] if adam.max_exp_avg_sq is not None else [])]
+
+
+def _boxes(layout: Layout, adam: Any, shard_index: int) -> list[_Item]:
+    """What the writer of shard `shard_index` stores: for each piece of a leaf in its shards, the
+    row blocks that tile it, for the parameter and each moment. Leaves with no elements are
+    stored whole (`_whole_items`)."""
+    out = []
+    for k, spec in enumerate(layout.buffers):
+        for piece in shard_pieces(spec, shard_index):
+            shape = tuple(layout.shapes[piece.leaf])
+            for source in ["params", *(_moments(adam) if spec.trainable else [])]:
+                position = piece.shard_offset
+                for box in flat_range_slices(shape, piece.leaf_offset, piece.leaf_offset + piece.length):
+                    offsets = tuple(s.start for s in box) + (0,) * (len(shape) - len(box))
+                    sizes = tuple(s.stop - s.start for s in box) + shape[len(box) :]
+                    out.append(_Item(piece.leaf, source, offsets, sizes, k, position))
+                    position += _numel(sizes)
+    return out
+
+
+def _whole_items(layout: Layout, adam: Any, names: list[tuple[str, ...]]) -> list[_Item]:
+    """Rank 0's whole tensors: module buffers (but non-persistent ones, which no state dict
+    holds), leaves with no elements, AdamW's count."""
+    out = []
+    for i, shape in enumerate(layout.shapes):
+        if (i in layout.local and names[i]) or (i not in layout.local and _numel(tuple(shape)) == 0):
+            trainable = i not in layout.local and any(spec.trainable and i in spec.leaves for spec in layout.buffers)
+            for source in ["params", *(_moments(adam) if trainable else [])]:
+                out.append(_Item(i, source, (0,) * len(shape), tuple(shape), -1, 0))
+    if adam is not None:
+        out.append(_Item(-1, "count", (), (), -1, 0))
+    return out
+
+
+def _value(state: StepState, adam: Any, item: _Item) -> torch.Tensor:
+    """The tensor of an item on the rank that writes it (a CPU copy)."""
+    layout = state.params.layout
+    if item.source == "count":
+        return adam.count.detach().to("cpu", copy=True)
+    if item.buffer < 0:
+        if item.leaf in layout.local:
+            return state.params.local[layout.local.index(item.leaf)].detach().to("cpu", copy=True)
+        dtype = layout.dtypes[item.leaf] if item.source == "params" else _moment_dtype(layout, adam, item)
+        return torch.empty(item.sizes, dtype=dtype)
+    spec = layout.buffers[item.buffer]
+    shard = state.params.shards[item.buffer] if item.source == "params" else getattr(adam, item.source)[spec.name]
+    return shard.detach()[item.shard_offset : item.shard_offset + _numel(item.sizes)].to("cpu", copy=True).view(item.sizes)
+
+
+def _moment_dtype(layout: Layout, adam: Any, item: _Item) -> torch.dtype:
+    spec = next(s for s in layout.buffers if item.leaf in s.leaves)
+    return getattr(adam, item.source)[spec.name].dtype
+
+
+def _write_file(file: Path, values: list[Any]) -> list[int]:
+    """Write `torch.save` of each value back to back into a new `file`; their byte lengths."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    lengths = []
+    with os.fdopen(os.open(file, flags, 0o666), "wb") as f:
+        for value in values:
+            lengths.append(write_item(f, value)[1])
+        f.flush()
+        os.fsync(f.fileno())
+    return lengths
+
+
+def _param_groups(groups: Sequence[Mapping[str, Any]] | None, layout: Layout, optim_key: str) -> list[tuple[str, tuple, Any]]:
+    """(flattened key, path, value) for every field of every group; checked."""
+    if groups is None:
+        return []
+    if isinstance(groups, Mapping) or not all(isinstance(g, Mapping) for g in groups) or not groups:
+        raise TypeError("param_groups must be a list of dicts (torch.optim's param_groups), e.g. [{'lr': 1e-3, ...}]")
+    names = state_dict_names(layout)
+    trainable = [names[i][0] for spec in layout.buffers if spec.trainable for i in spec.leaves if names[i]]
+    out = []
+    for g, group in enumerate(groups):
+        group = dict(group)
+        if "params" not in group:
+            if len(groups) > 1:
+                raise ValueError(f"param_groups[{g}] has no 'params': with several groups, each must name its parameters")
+            group["params"] = trainable
+        unknown = [p for p in group["params"] if p not in trainable]
+        if unknown:
+            raise ValueError(f"param_groups[{g}]['params'] names {unknown[:3]}, which are not trainable leaves of this state")
+        for field, value in group.items():
+            if not _plain(value):
+                raise ValueError(
+                    f"param_groups[{g}][{field!r}] is a {type(value).__name__}: only plain values (numbers, bools, strings, "
+                    f"None, tuples and lists of them) are written"
+                )
+            out.append((f"{optim_key}.param_groups.{g}.{field}", (optim_key, "param_groups", g, str(field)), value))
+    return out
+
+
+def _plain(value: Any) -> bool:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return True
+    return isinstance(value, (tuple, list)) and all(_plain(v) for v in value)
+
+
+def _metadata(layout, adam, plan, sizes, groups, model_key, optim_key) -> bytes:
+    """The `.metadata` for the items of every rank, given each rank's item lengths."""
+    where: dict[tuple[int, str], list] = {}
+    objects = []
+    for rank, items in plan.items():
+        offset = 0
+        for item, length in zip(items, sizes[rank]):
+            where.setdefault((item.leaf, item.source), []).append((item.offsets, item.sizes, data_file(rank), offset, length))
+            offset += length
+        if rank == 0:
+            for (key, path, _), length in zip(groups, sizes[0][len(items) :]):
+                objects.append((key, path, data_file(0), offset, length))
+                offset += length
+    names = state_dict_names(layout)
+    tensors = []
+    for i, shape in enumerate(layout.shapes):
+        for name in names[i]:
+            key, path = (name, (name,)) if model_key is None else (f"{model_key}.{name}", (model_key, name))
+            tensors.append(PlannedTensor(key, path, tuple(shape), layout.dtypes[i], where[i, "params"]))
+    if adam is not None:
+        for spec in layout.buffers:
+            if spec.trainable:
+                for i in spec.leaves:
+                    fqn = names[i][0] if names[i] else layout.paths[i]
+                    for source in _moments(adam):
+                        tensors.append(PlannedTensor(
+                            f"{optim_key}.state.{fqn}.{source}", (optim_key, "state", fqn, source),
+                            tuple(layout.shapes[i]), getattr(adam, source)[spec.name].dtype, where[i, source],
+                        ))  # fmt: skip
+                    tensors.append(PlannedTensor(
+                        f"{optim_key}.state.{fqn}.step", (optim_key, "state", fqn, "step"), (), adam.count.dtype, where[-1, "count"]
+                    ))  # fmt: skip
+    return metadata_bytes(tensors, objects)
+
+
+def _writers(mesh: BaseMesh) -> dict[int, int]:
+    """Shard index -> the rank that writes it: the one at coordinate 0 on every replicate axis."""
+    out = {}
+    for rank in range(mesh.world_size):
+        coordinates = _coordinates(mesh, rank)
+        if all(coordinates[axis] == 0 for axis in mesh.replicate_axes):
+            out[coordinates[mesh.shard_axis]] = rank
+    return out
+
+
+def _partial(path: Path, code: int) -> Path:
+    return path.with_name(f"{path.name}.partial-{code:016x}")
+
+
+def _commit(tmp: Path, path: Path, overwrite: bool, code: int) -> None:
+    """Move the finished directory to `path` (an existing one, with `overwrite`, aside first)."""
+    old = None
+    if path.exists():
+        if not overwrite:
+            raise CheckpointError(f"{path} already exists: pass overwrite=True to replace it")
+        old = path.with_name(f"{path.name}.old-{code:016x}")
+        os.rename(path, old)
+    os.rename(tmp, path)
+    fsync_dir(path.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
