@@ -4,10 +4,12 @@
 
 Builds the `gpt` workload of `benchmarks/_workloads.py` (8 layers, d_model 256: 6.4 M parameters)
 with AdamW, takes one step (so the optimizer state is full), then saves it `--repeats` times to
-new directories and loads each back, on `--world` gloo processes; prints the median and spread
-of each, per rank, and how long `zlib.crc32` takes over this rank's bytes (what a save adds to
-write them and a load to read them). Run it from another checkout (`cd old && python
-/path/to/this`) to time another version of `fs.checkpoint`: it uses the public API only.
+new directories and loads each back, on `--world` gloo processes, alternating two arms: `crc32`
+(as shipped) and `none` (the same code with the checksum function replaced by a constant, so
+nothing else differs). Prints, per rank and arm, the median and spread of save and load times,
+and how long `zlib.crc32` alone takes over this rank's bytes. Alternating the arms within one
+run keeps a loaded machine's drift out of the difference. With an `fs.checkpoint` that has no
+checksums (`PYTHONPATH=/path/to/an/old/checkout`), only the `as is` arm runs.
 """
 
 from __future__ import annotations
@@ -37,18 +39,27 @@ def measure(mesh, directory: str, repeats: int) -> dict:
         lambda p, b: workload.loss(apply_fn(p, b[0]), b[1]), mesh, optimizer=fs.optim.adamw(1e-3), schedule=fs.Schedule(trace=False)
     )
     state, _ = step(step.init(params), workload.batch(2, seed=0, rank=mesh.rank, step=0))
-    saves, loads = [], []
+    from functional_shard.checkpoint import _files
+
+    shipped = getattr(_files, "checksum", None)
+    arms = {"crc32": shipped, "none": lambda tensor: "00000000"} if shipped else {"as is": None}
+    times: dict[str, dict[str, list[float]]] = {arm: {"save": [], "load": []} for arm in arms}
     template = step.init(params)
     for i in range(repeats):
-        path = os.path.join(directory, f"c{i}")
-        mesh.all_gather_world(torch.zeros(1))
-        t = time.perf_counter()
-        fs.checkpoint.save(path, state)
-        saves.append(time.perf_counter() - t)
-        mesh.all_gather_world(torch.zeros(1))
-        t = time.perf_counter()
-        fs.checkpoint.load(path, template)
-        loads.append(time.perf_counter() - t)
+        for arm, function in arms.items():
+            if function is not None:
+                _files.checksum = function
+            path = os.path.join(directory, f"c{i}-{arm.replace(' ', '')}")
+            mesh.all_gather_world(torch.zeros(1))
+            t = time.perf_counter()
+            fs.checkpoint.save(path, state)
+            times[arm]["save"].append(time.perf_counter() - t)
+            mesh.all_gather_world(torch.zeros(1))
+            t = time.perf_counter()
+            fs.checkpoint.load(path, template)
+            times[arm]["load"].append(time.perf_counter() - t)
+    if shipped:
+        _files.checksum = shipped
     tensors = [t.detach().contiguous() for t in fs.tree_leaves(state) if t.numel()]
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
     crcs = []
@@ -57,7 +68,7 @@ def measure(mesh, directory: str, repeats: int) -> dict:
         for tensor in tensors:
             zlib.crc32(tensor.reshape(-1).view(torch.uint8).numpy())
         crcs.append(time.perf_counter() - t)
-    return {"save": saves, "load": loads, "crc": crcs, "bytes": nbytes}
+    return {"arms": times, "crc": crcs, "bytes": nbytes}
 
 
 def main() -> None:
@@ -69,7 +80,8 @@ def main() -> None:
     try:
         with fs.testing.LocalWorld(args.world, collective_timeout=300.0, call_timeout=1200.0) as world:
             results = world.run(measure, directory, args.repeats)
-        size = sum(os.path.getsize(os.path.join(directory, "c0", n)) for n in os.listdir(os.path.join(directory, "c0")))
+        first = os.path.join(directory, sorted(os.listdir(directory))[0])
+        size = sum(os.path.getsize(os.path.join(first, n)) for n in os.listdir(first))
     finally:
         shutil.rmtree(directory, ignore_errors=True)
 
@@ -78,7 +90,9 @@ def main() -> None:
 
     print(f"fs {fs.__version__} at {os.path.dirname(fs.__file__)}; world {args.world}; checkpoint {size / 1e6:.1f} MB")
     for rank, r in enumerate(results):
-        print(f"rank {rank}: save {ms(r['save'])}  load {ms(r['load'])}  crc32 of its {r['bytes'] / 1e6:.1f} MB {ms(r['crc'])}")
+        for arm, t in r["arms"].items():
+            print(f"rank {rank} {arm:>5}: save {ms(t['save'])}  load {ms(t['load'])}")
+        print(f"rank {rank}: zlib.crc32 alone over its {r['bytes'] / 1e6:.1f} MB: {ms(r['crc'])}")
 
 
 if __name__ == "__main__":
