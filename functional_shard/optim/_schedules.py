@@ -225,7 +225,7 @@ def linear_schedule(lr: float, *, start_factor: float = 1.0 / 3, end_factor: flo
         raise ValueError(f"linear_schedule: start_factor must be in (0, 1] (as LinearLR); got {start_factor!r}")
     if not 0.0 <= end_factor <= 1.0:
         raise ValueError(f"linear_schedule: end_factor must be in [0, 1] (as LinearLR); got {end_factor!r}")
-    return LinearSchedule(_check_lr(lr, "linear_schedule"), float(start_factor), float(end_factor), _check_steps(steps, "linear_schedule"))
+    return LinearSchedule(_check_lr(lr, "linear_schedule"), float(start_factor), float(end_factor), _check_steps(steps, "linear_schedule: steps"))
 
 
 def cosine_schedule(lr: float, *, steps: int, min_lr: float = 0.0) -> CosineSchedule:
@@ -240,7 +240,7 @@ def cosine_schedule(lr: float, *, steps: int, min_lr: float = 0.0) -> CosineSche
         steps: updates to reach `min_lr`, an int >= 1.
         min_lr: the learning rate at count `steps`.
     """
-    return CosineSchedule(_check_lr(lr, "cosine_schedule"), _check_steps(steps, "cosine_schedule"), float(min_lr))
+    return CosineSchedule(_check_lr(lr, "cosine_schedule"), _check_steps(steps, "cosine_schedule: steps"), float(min_lr))
 
 
 def join_schedules(*schedules: Any, boundaries: Sequence[int]) -> JoinedSchedules:
