@@ -13,7 +13,37 @@ import dataclasses
 import enum
 import signal
 
-__all__ = ["Failure", "FailureKind", "RankError"]
+__all__ = ["Failure", "FailureKind", "MeshError", "PeerError", "RankError"]
+
+
+class MeshError(RuntimeError):
+    """Ranks disagree (structure, shapes, collective sequence) or the mesh does not fit the world.
+
+    Attributes:
+        differences: rank -> what it held where ranks first differ (empty when not known).
+    """
+
+    def __init__(self, message: str, differences: dict[int, str] | None = None):
+        super().__init__(message)
+        self.differences = dict(differences or {})
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.differences))
+
+
+class PeerError(MeshError):
+    """This rank stops because another rank failed first (named by `rank`); the cause is there.
+
+    Attributes:
+        rank: the rank that failed.
+    """
+
+    def __init__(self, message: str, rank: int):
+        super().__init__(message)
+        self.rank = rank
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.rank))
 
 
 class FailureKind(enum.Enum):
@@ -83,8 +113,6 @@ def is_collective_error(error: BaseException) -> bool:
     """Whether `error` (or an exception it was raised from) came from a collective or a peer
     connection, or is a `PeerError` (this rank stopped because another failed)."""
     import torch.distributed as dist
-
-    from ._mesh import PeerError
 
     seen: set[int] = set()
     current: BaseException | None = error

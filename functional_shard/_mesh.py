@@ -11,44 +11,28 @@ contiguous 1-D tensors and is written as torch's functional collectives
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import datetime
-import hashlib
+import ipaddress
 import os
-from typing import Sequence
+import socket
+import sys
+import weakref
+from typing import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from ._agreement import Agreement, digest as _digest, stop_heartbeats
+from ._failures import MeshError, PeerError
+from ._parent import die_with_torchrun_agent
 from ._tracing import record
 
 __all__ = ["BaseMesh", "Mesh", "init_mesh", "shutdown", "MeshError", "PeerError"]
 
 _C10D = torch.ops._c10d_functional
-
-class MeshError(RuntimeError):
-    """Ranks disagree (structure, shapes, collective sequence) or the mesh does not fit the world.
-
-    Attributes:
-        differences: rank -> what it held where ranks first differ (empty when not known).
-    """
-
-    def __init__(self, message: str, differences: dict[int, str] | None = None):
-        super().__init__(message)
-        self.differences = dict(differences or {})
-
-
-class PeerError(MeshError):
-    """This rank stops because another rank failed first (named by `rank`); the cause is there.
-
-    Attributes:
-        rank: the rank that failed.
-    """
-
-    def __init__(self, message: str, rank: int):
-        super().__init__(message)
-        self.rank = rank
-
 
 # The collective operations of the library, by the names `BaseMesh.agree` reports.
 OPERATIONS = (
@@ -61,11 +45,6 @@ OPERATIONS = (
     "fs.checkpoint.load",
     "fs.checkpoint.load_full",
 )
-
-
-def _digest(text: str) -> int:
-    """`text` hashed to a non-negative int64."""
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
 
 
 def _check_axes(axes: dict[str, int]) -> tuple[tuple[str, ...], tuple[int, ...]]:
@@ -257,9 +236,21 @@ class Mesh(BaseMesh):
         device_mesh: the underlying `torch.distributed.device_mesh.DeviceMesh`.
     """
 
-    def __init__(self, device_mesh: DeviceMesh, *, shard_axis: str | None = None, split_groups: bool = False):
+    def __init__(
+        self,
+        device_mesh: DeviceMesh,
+        *,
+        shard_axis: str | None = None,
+        split_groups: bool = False,
+        timeout: float | None = None,
+    ):
         names = device_mesh.mesh_dim_names
         assert names is not None, "the DeviceMesh must have named dimensions"
+        # A DeviceMesh keeps its process groups alive (a registry for torch.compile). Weakly
+        # here: then `destroy_process_group()` ends the groups, their gloo threads and their
+        # listening socket at once, whoever calls it, instead of at interpreter shutdown, where
+        # a gloo thread releasing its last collective aborts the process (docs/launching.md).
+        device_mesh._pg_registry = weakref.WeakValueDictionary(device_mesh._pg_registry)
         self.device_mesh = device_mesh
         self.axis_names = tuple(names)
         self.axis_sizes = tuple(device_mesh.mesh.shape)
@@ -284,6 +275,12 @@ class Mesh(BaseMesh):
             if split_groups:
                 self._gather_group_names = _new_axis_groups(device_mesh, self.axis_names)
                 self._reduce_group_names = _new_axis_groups(device_mesh, self.axis_names)
+        # The ranks' agreement before each collective operation, on the store (`_agreement`);
+        # None for a world of one. `_entered` counts this mesh's operations, for its messages.
+        names = {*self._group_names.values(), *self._gather_group_names.values(), *self._reduce_group_names.values()}
+        groups = [dist.distributed_c10d._resolve_process_group(name) for name in sorted(names)]
+        self._agreement = Agreement.of_world(groups, timeout)
+        self._entered: collections.Counter[str] = collections.Counter()
 
     def __enter__(self) -> "Mesh":
         return self
@@ -326,6 +323,15 @@ class Mesh(BaseMesh):
     def all_gather_world(self, x: torch.Tensor) -> torch.Tensor:
         record("all_gather")
         return _C10D.wait_tensor(_C10D.all_gather_into_tensor(x, self.world_size, self._world_group_name))
+
+    def agree(self, operation: str, value: int = 0) -> list[int]:
+        """`BaseMesh.agree`, kept on the rendezvous store before any collective (`_agreement`):
+        ranks in different operations, a rank that issued a collective of its own (say one
+        extra `all_reduce`) and a rank that exited are named within seconds, never paired."""
+        if self._agreement is None:
+            return super().agree(operation, value)
+        self._entered[operation] += 1
+        return self._agreement.enter(operation, value, self._entered[operation], self.all_gather_world, self.describe())
 
 
 def _new_axis_groups(device_mesh: DeviceMesh, axis_names: Sequence[str]) -> dict[str, str]:
@@ -378,46 +384,91 @@ def init_mesh(
     names, sizes = _check_axes(axes)
     if isinstance(timeout, (int, float)):
         timeout = datetime.timedelta(seconds=timeout)
-    if not dist.is_initialized():
-        world = int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ else 1
-        _check_product(names, sizes, world)
-        if backend is None:
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        timeout = timeout or datetime.timedelta(seconds=600)
-        if "RANK" in os.environ:
-            dist.init_process_group(backend, timeout=timeout)
-        else:
-            # A plain `python script.py`: a world of one needs no rendezvous.
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-    else:
-        _check_product(names, sizes, dist.get_world_size())
-    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    device_mesh = init_device_mesh(device_type, sizes, mesh_dim_names=names)
-    return Mesh(device_mesh, shard_axis=shard_axis, split_groups=split_groups)
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        die_with_torchrun_agent()
+    created = not dist.is_initialized()
+    world = (int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ else 1) if created else dist.get_world_size()
+    _check_product(names, sizes, world)
+    with _gloo_on_loopback(world):
+        if created:
+            if backend is None:
+                backend = "nccl" if torch.cuda.is_available() else "gloo"
+            if backend == "nccl":
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            timeout = timeout or datetime.timedelta(seconds=600)
+            if world > 1:
+                dist.init_process_group(backend, timeout=timeout)
+            else:
+                # A world of one needs no rendezvous: an in-memory store, no port.
+                dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        device_mesh = init_device_mesh(device_type, sizes, mesh_dim_names=names)
+        seconds = timeout.total_seconds() if created else None
+        return Mesh(device_mesh, shard_axis=shard_axis, split_groups=split_groups, timeout=seconds)
+
+
+def _is_loopback(address: str) -> bool:
+    """Whether every address `address` resolves to is a loopback address (False if it does not resolve)."""
+    if not address:
+        return False
+    try:
+        infos = socket.getaddrinfo(address, None)
+    except OSError:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in infos)
+
+
+@contextlib.contextmanager
+def _gloo_on_loopback(world: int) -> Iterator[None]:
+    """While the mesh's process groups are made, bind gloo's sockets to the loopback interface
+    when no other one is needed: a world of one, or a world whose rendezvous (`MASTER_ADDR`) is
+    this host's loopback, so all its ranks are here. Else gloo listens on the address the
+    hostname resolves to. A user who names an interface (`GLOO_SOCKET_IFNAME`) keeps it, and
+    `os.environ` is left as it was."""
+    if "GLOO_SOCKET_IFNAME" in os.environ or not (world == 1 or _is_loopback(os.environ.get("MASTER_ADDR", ""))):
+        yield
+        return
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo0" if sys.platform == "darwin" else "lo"
+    try:
+        yield
+    finally:
+        os.environ.pop("GLOO_SOCKET_IFNAME", None)
 
 
 def shutdown(*, barrier: bool = True) -> None:
-    """Leave the default process group: a barrier, then `destroy_process_group`.
+    """Leave the default process group: agree, a barrier, then `destroy_process_group`.
 
-    The barrier makes every rank's last collective complete before any rank tears its group
-    down; without it, a gloo worker thread could destroy that collective's work during
-    interpreter shutdown and abort the process ("terminate called without an active
-    exception"). Call it at the end of a script run by `torchrun` (or use the mesh as a
-    context manager); `fs.launch` calls it for you. Safe to call twice, or with no group.
+    First every rank states that it is shutting down, as every collective operation of the
+    library does (`Mesh.agree`): a rank that shuts down while another is still in a step (one
+    step more on one rank) makes both raise `MeshError` within seconds, naming each rank and what
+    it is in, instead of pairing the barrier with the step's collectives until the collective
+    timeout. The barrier then makes every rank's last collective complete before any rank tears
+    its group down. Call it at the end of a script run by `torchrun` (or use the mesh as a
+    context manager); `fs.launch` calls it for you. Safe to call twice, or with no group. The
+    group is destroyed whatever happens.
 
     Arguments:
-        barrier: wait for the other ranks first (default). Pass False after an error: the
-            peers may be blocked in another collective and never reach the barrier.
+        barrier: agree and wait for the other ranks first (default). Pass False after an error:
+            the peers may be blocked in another collective and never come.
     """
     if not (dist.is_available() and dist.is_initialized()):
         return
     try:
         if barrier and dist.get_world_size() > 1:
+            agreement = Agreement.of_world(heartbeat=False)
+            if agreement is not None:
+                world = dist.group.WORLD
+                agreement.enter("fs.shutdown", 0, 0, lambda x: _gather_world(x, world), "world of the default process group")
             dist.barrier()
     finally:
+        stop_heartbeats()
         dist.destroy_process_group()
+
+
+def _gather_world(x: torch.Tensor, group) -> torch.Tensor:
+    out = torch.empty(dist.get_world_size() * x.numel(), dtype=x.dtype)
+    dist.all_gather_into_tensor(out, x, group=group)
+    return out
 
 
 def _check_product(names, sizes, world: int) -> None:

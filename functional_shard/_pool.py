@@ -28,10 +28,8 @@ import multiprocessing
 import multiprocessing.connection
 import multiprocessing.util
 import os
-import signal
 import socket
 import sys
-import threading
 import time
 import traceback
 from typing import Any, Callable
@@ -40,11 +38,10 @@ import torch
 
 from ._failures import Failure, FailureKind, RankError, first_cause, is_collective_error
 from ._mesh import shutdown
+from ._parent import die_with_parent
 
 __all__ = ["WorkerPool", "keep_freed_memory"]
 
-# Seconds a rank's watchdog waits between looks at its parent's pid.
-_WATCHDOG_PERIOD = 0.5
 # Seconds `stop` waits for terminated ranks before it kills them.
 _TERMINATE_WAIT = 2.0
 
@@ -137,27 +134,6 @@ def _loopback_store() -> tuple[Any, int]:
 # --- inside a rank -----------------------------------------------------------------------------
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """Make this process end when `parent_pid`, the process that started it, ends."""
-    if sys.platform.startswith("linux"):
-        try:
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-            PR_SET_PDEATHSIG = 1
-            libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        except (OSError, AttributeError):
-            pass  # the watchdog below still works
-    # The parent may have died before prctl (a rank spends seconds importing torch first).
-    if os.getppid() != parent_pid:
-        os._exit(1)
-
-    def watch() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(_WATCHDOG_PERIOD)
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    threading.Thread(target=watch, name="functional_shard-watchdog", daemon=True).start()
-
-
 def _finish(code: int) -> None:
     """Leave now: flush what the rank printed, skip interpreter shutdown (see the module docstring)."""
     # os._exit skips multiprocessing's exit finalizers too. A spawned rank's default start
@@ -200,7 +176,7 @@ def _rank_main(
     keep_memory: bool,
 ) -> None:
     """The body of every rank: set up, then run what the parent sends until it says "close"."""
-    _die_with_parent(parent_pid)
+    die_with_parent(parent_pid)
     if keep_memory:
         keep_freed_memory()
     os.environ.update(_environment(rank, world_size, port))

@@ -1,0 +1,429 @@
+"""The ranks' agreement on which collective operation they enter, kept on the rendezvous store.
+
+Every collective entry point of the library (a step, `init`, `grad`, `evaluate`, `fs.export`,
+the checkpoints, `fs.shutdown`) opens with `Mesh.agree`: each rank states what it enters before
+it issues any collective of it. The statement goes through the store, not the process group:
+ranks that call different things must never pair one's collectives with the other's, which
+gloo answers with a hang until the collective timeout, an abort, or the wrong bytes.
+
+Rank r entering its n-th agreement on this world (every mesh and `fs.shutdown` counted):
+
+1. publishes its `Entry` (operation, value, n, how many times it entered this operation on its
+   mesh, how many collectives it has issued on each of its process groups) under
+   `functional_shard/agree/<n>/<r>`;
+2. waits for every other rank's entry n and reads them: the same operation everywhere, or
+   `MeshError` on every rank, naming what each entered ("rank 1: fs.shutdown" while
+   "rank 0: a training step");
+3. while it waits, looks at the ranks that have not arrived. A `Heartbeat` thread in every
+   rank publishes that rank's collective counts twice a second, so a rank that issued a
+   collective this one did not (a `torch.distributed` call of the user's on some ranks only)
+   is named within about a second (`PeerError`), and so is a rank that exited. A rank not
+   heard from for a few seconds (dead, or holding the GIL) is met in an all-gather instead:
+   it fails at once if the rank is dead, and waits for it otherwise.
+
+Cost: five store round trips per agreement (a counter, the entry, the wait, the read, the
+deletion of the previous entry), and the heartbeat's one store write per rank every 0.5 s.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import hashlib
+import json
+import threading
+import time
+import weakref
+from typing import Any, Callable, NamedTuple, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ._failures import MeshError, PeerError
+
+__all__ = ["Agreement", "Entry", "Heartbeat", "stop_heartbeats"]
+
+PREFIX = "functional_shard/agree"
+# Seconds between a rank's heartbeats, between a waiting rank's looks at the missing ranks,
+# and without a changed heartbeat before a missing rank is met in an all-gather instead.
+HEARTBEAT_PERIOD = 0.5
+WAIT_SLICE = 0.5
+SILENT_AFTER = 3.0
+# What a waiting rank puts in place of the entry of a rank it has not heard from.
+_SILENT = "<not heard from>"
+
+
+def digest(text: str) -> int:
+    """`text` hashed to a non-negative int64."""
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
+
+
+def _ordinal(n: int) -> str:
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
+
+
+class Entry(NamedTuple):
+    """What a rank states when it enters a collective operation."""
+
+    operation: str  # the operation's name ("a training step", "fs.export", "fs.shutdown", ...)
+    value: int  # the int the caller states (a traced graph's digest, a size, a flag)
+    call: int  # the rank's count of agreements on this world, this one included
+    count: int  # how many times the rank has entered `operation` on its mesh, this one included (0: not counted)
+    collectives: dict[str, int]  # process group name -> collectives the rank had issued on it when it entered
+
+    def encode(self) -> str:
+        return json.dumps(self._asdict())
+
+    @classmethod
+    def decode(cls, text: str | bytes) -> "Entry | None":
+        try:
+            fields = json.loads(text)
+            return cls(str(fields["operation"]), int(fields["value"]), int(fields["call"]), int(fields["count"]), dict(fields["collectives"]))
+        except (ValueError, KeyError, TypeError):
+            return None
+
+    def describe(self) -> str:
+        if self.operation == "fs.shutdown":
+            return "is shutting down (fs.shutdown)"
+        times = f", its {_ordinal(self.count)} on its mesh" if self.count else ""
+        return f"is in {self.operation} (its functional_shard call #{self.call}{times})"
+
+
+def collective_counts(groups: dict[str, Callable[[], Any]]) -> dict[str, int]:
+    """Group name -> collectives this rank has issued on it (gloo and NCCL count them as they are issued)."""
+    counts = {}
+    for name, ref in groups.items():
+        group = ref()
+        if group is None:
+            continue
+        try:
+            counts[name] = int(group._get_sequence_number_for_group())
+        except (RuntimeError, AttributeError):
+            pass  # a backend that does not count
+    return counts
+
+
+def _store_key(call: int, rank: int) -> str:
+    return f"{PREFIX}/{call}/{rank}"
+
+
+def _beat_key(rank: int) -> str:
+    return f"{PREFIX}/beat/{rank}"
+
+
+def _group_timeout(group) -> float:
+    """The collective timeout of `group`, in seconds (600 when it cannot be read)."""
+    for device in (torch.device("cpu"), torch.device("cuda")):
+        try:
+            return group._get_backend(device).options._timeout.total_seconds()
+        except (RuntimeError, AttributeError, ValueError):
+            continue
+    return 600.0
+
+
+class Agreement:
+    """One rank's side of the ranks' agreement on a world (see the module docstring).
+
+    Arguments:
+        store: the world's rendezvous store (the default group's).
+        rank / world_size: this rank in the world.
+        groups: the process groups whose collectives a heartbeat counts (the world first).
+        timeout: seconds to wait for the other ranks before `PeerError`.
+        heartbeat: start this process's `Heartbeat` (if it has none), so that the other ranks
+            can tell what this one does while they wait for it.
+    """
+
+    def __init__(self, store, rank: int, world_size: int, groups: Sequence[Any], timeout: float, heartbeat: bool = True):
+        self._store = store
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout = timeout
+        self._groups = {group.group_name: weakref.ref(group) for group in groups}
+        if heartbeat:
+            Heartbeat.ensure(store, rank, groups[0], self._groups)
+
+    @classmethod
+    def of_world(cls, groups: Sequence[Any] = (), timeout: float | None = None, heartbeat: bool = True) -> "Agreement | None":
+        """The agreement of the default process group's world (None for a world of one, or a
+        default group without a store). `groups`: more process groups to count collectives on."""
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return None
+        try:
+            store = dist.distributed_c10d._get_default_store()
+        except (RuntimeError, ValueError, AttributeError):
+            return None
+        world = dist.group.WORLD
+        groups = [world, *(g for g in groups if g.group_name != world.group_name)]
+        return cls(store, dist.get_rank(), dist.get_world_size(), groups, timeout or _group_timeout(world), heartbeat)
+
+    def enter(self, operation: str, value: int, count: int, gather: Callable[[torch.Tensor], torch.Tensor], where: str) -> list[int]:
+        """State that this rank enters `operation` with `value`; every rank's value, in rank order.
+
+        Arguments:
+            operation: the operation's name.
+            value: an int (63 bits) every rank states.
+            count: how many times this rank has entered `operation` on its mesh (0: not counted).
+            gather: an all-gather over the world (`Mesh.all_gather_world`), used only to meet a
+                rank that has not been heard from.
+            where: the mesh, in words, for messages.
+
+        Raises `MeshError` on every rank when the ranks entered different operations, and
+        `PeerError` naming a rank that issued a collective of its own, exited, or did not come.
+        """
+        store = self._store
+        call = int(store.add(f"{PREFIX}/calls/{self.rank}", 1))
+        mine = Entry(operation, int(value), call, count, collective_counts(self._groups))
+        text = mine.encode()
+        if _text(store.compare_set(_store_key(call, self.rank), "", text)) != text:
+            entries: dict[int, Entry | None] = {self.rank: None}  # a waiting rank did not hear from this one
+        else:
+            entries = self._wait(mine, where)
+        if any(entry is None for entry in entries.values()):
+            return self._meet(mine, entries, gather, where)
+        operations = {entry.operation for entry in entries.values()}
+        if len(operations) > 1:
+            raise _different_operations([entries[r] for r in range(self.world_size)], where)
+        self._forget(call - 1)  # every rank has read it: all are at `call`
+        return [entries[r].value for r in range(self.world_size)]
+
+    # --- waiting --------------------------------------------------------------------------
+
+    def _wait(self, mine: Entry, where: str) -> dict[int, Entry | None]:
+        """Every rank's entry for `mine.call` (None for a rank that was not heard from)."""
+        store = self._store
+        others = [r for r in range(self.world_size) if r != self.rank]
+        keys = [_store_key(mine.call, r) for r in others]
+        start = time.monotonic()
+        heard: dict[int, tuple[str, float]] = {}  # rank -> (its last heartbeat, when it changed)
+        while True:
+            left = start + self.timeout - time.monotonic()
+            try:
+                store.wait(keys, datetime.timedelta(seconds=max(0.001, min(WAIT_SLICE, left))))
+                break
+            except dist.DistStoreError as error:
+                if "timeout" not in str(error).lower():
+                    raise self._store_failed(mine, error) from error
+            except (RuntimeError, ValueError) as error:
+                raise self._store_failed(mine, error) from error
+            self._look_at_missing(mine, others, heard, start, where)
+        entries = {self.rank: mine}
+        for rank, text in zip(others, store.multi_get(keys)):
+            entries[rank] = None if _text(text).startswith(_SILENT) else Entry.decode(text)
+        return entries
+
+    def _look_at_missing(self, mine: Entry, others: list[int], heard: dict, start: float, where: str) -> None:
+        """Name a missing rank that issued a collective of its own or exited; meet silent ones
+        in an all-gather; give up after the timeout."""
+        store = self._store
+        now = time.monotonic()
+        missing = [r for r in others if not store.check([_store_key(mine.call, r)])]
+        silent = []
+        for rank in missing:
+            beat_text = _text(store.get(_beat_key(rank))) if store.check([_beat_key(rank)]) else ""
+            beat = _decode_beat(beat_text)
+            if beat.get("exited"):
+                raise PeerError(
+                    f"rank {rank} exited while rank {self.rank} {mine.describe()}; its last functional_shard call: "
+                    f"{self._last_call(rank)}. Every rank must make the same functional_shard calls, and end with "
+                    f"fs.shutdown() ({where})",
+                    rank,
+                )
+            for group, issued in beat.get("collectives", {}).items():
+                if group in mine.collectives and issued > mine.collectives[group]:
+                    raise PeerError(
+                        f"rank {rank} issued a collective that rank {self.rank} did not: its collective #{issued} on "
+                        f"process group {group!r}, after its last functional_shard call ({self._last_call(rank)}); rank "
+                        f"{self.rank} had issued {mine.collectives[group]} there when it entered {mine.operation} (its "
+                        f"functional_shard call #{mine.call}). Every rank must issue the same collectives in the same "
+                        f"order: a torch.distributed call made on some ranks only (an extra all_reduce or barrier) "
+                        f"would pair with this rank's next collective ({where})",
+                        rank,
+                    )
+            last, since = heard.get(rank, (None, start))
+            if beat_text != last:
+                heard[rank] = (beat_text, now)
+            elif now - since > SILENT_AFTER:
+                silent.append(rank)
+        if silent:
+            # Meet them in an all-gather: every rank at this call will (the key of each missing
+            # rank now holds the mark, or that rank's own entry if it came in the meantime).
+            for rank in missing:
+                store.compare_set(_store_key(mine.call, rank), "", f"{_SILENT} by rank {self.rank}")
+            return
+        if missing and now - start > self.timeout:
+            rank = missing[0]
+            raise PeerError(
+                f"rank {rank} did not enter {mine.operation} within the collective timeout of {self.timeout:.0f} s: "
+                f"rank {self.rank} {mine.describe()}, rank {rank}'s last functional_shard call was "
+                f"{self._last_call(rank)}. Every rank must make the same functional_shard calls in the same order "
+                f"({where})",
+                rank,
+            )
+
+    def _meet(self, mine: Entry, entries: dict[int, Entry | None], gather, where: str) -> list[int]:
+        """Agree in an all-gather (some rank was not heard from): it fails at once if that rank
+        is dead, and waits for it otherwise."""
+        silent = [r for r, entry in entries.items() if entry is None]
+        payload = torch.tensor([digest(mine.operation), mine.value, mine.call, mine.count], dtype=torch.int64)
+        try:
+            everyone = gather(payload).view(self.world_size, 4).tolist()
+        except Exception as error:  # noqa: BLE001 - a dead peer's connection, named
+            rank = silent[0] if silent[0] != self.rank else next(r for r in range(self.world_size) if r != self.rank)
+            raise PeerError(
+                f"rank {rank} was not heard from for {SILENT_AFTER:.0f} s while rank {self.rank} {mine.describe()}, and "
+                f"the collective that met it failed ({type(error).__name__}: {str(error).splitlines()[0][:300]}): "
+                f"it died or hangs ({where})",
+                rank,
+            ) from error
+        met = [mine if r == self.rank else entries.get(r) or self._entry_of(r, *row) for r, row in enumerate(everyone)]
+        if len({code for code, *_ in everyone}) > 1:
+            raise _different_operations(met, where)
+        self._forget(mine.call - 1)
+        return [entry.value for entry in met]
+
+    def _entry_of(self, rank: int, code: int, value: int, call: int, count: int) -> Entry:
+        """`rank`'s entry of its call `call`, read from the store where it is there (its
+        operation's name), else from what it sent to the all-gather."""
+        try:
+            key = _store_key(call, rank)
+            entry = Entry.decode(self._store.get(key)) if self._store.check([key]) else None
+        except (RuntimeError, ValueError):
+            entry = None
+        if entry is not None and digest(entry.operation) == code:
+            return entry
+        return Entry("an operation of the library" if code else "an unknown operation", value, call, count, {})
+
+    def _forget(self, call: int) -> None:
+        """Delete this rank's entry of `call` (every rank has read it once all are past it)."""
+        try:
+            self._store.delete_key(_store_key(call, self.rank))
+        except (RuntimeError, ValueError):
+            pass
+
+    def _store_failed(self, mine: Entry, error: BaseException) -> PeerError:
+        return PeerError(
+            f"the rendezvous store failed while rank {self.rank} waited for the others to enter {mine.operation} "
+            f"({type(error).__name__}: {str(error).splitlines()[0][:300]}): the process that serves it (rank 0, or "
+            f"the launcher's agent) is gone",
+            0,
+        )
+
+    def _last_call(self, rank: int) -> str:
+        """`rank`'s last agreement, in words ("none" before its first)."""
+        try:
+            call = int(self._store.add(f"{PREFIX}/calls/{rank}", 0))
+            if call == 0:
+                return "none"
+            key = _store_key(call, rank)
+            entry = Entry.decode(self._store.get(key)) if self._store.check([key]) else None
+        except (RuntimeError, ValueError):
+            return "unknown"
+        if entry is None:
+            return f"#{call}"
+        times = f", its {_ordinal(entry.count)} on its mesh" if entry.count else ""
+        return f"{entry.operation} (#{call}{times})"
+
+
+def _different_operations(entries: list[Entry], where: str) -> MeshError:
+    doing = "; ".join(f"rank {r}: {e.operation}" for r, e in enumerate(entries))
+    detail = "; ".join(f"rank {r} {e.describe()}" for r, e in enumerate(entries))
+    return MeshError(
+        f"ranks entered different collective operations ({doing}): {detail}. Every rank of the {where} must call "
+        f"the same collective operations in the same order: call it on every rank (a rank that takes one step more "
+        f"than the others, or shuts down early, is named here)",
+        {r: e.operation for r, e in enumerate(entries)},
+    )
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else value
+
+
+def _decode_beat(text: str) -> dict:
+    try:
+        beat = json.loads(text) if text else {}
+    except ValueError:
+        return {}
+    return beat if isinstance(beat, dict) else {}
+
+
+# --- the heartbeat -----------------------------------------------------------------------------
+
+
+class Heartbeat(threading.Thread):
+    """A thread that publishes this rank's collective counts to the store every 0.5 s, so that
+    a rank waiting in an agreement can tell a rank that issued a collective of its own (its count
+    went up) from a rank that is still computing (its count did not), and a live rank from a
+    silent one. One per process and world (`ensure`); it ends with the process group
+    (`stop_heartbeats`, called by `fs.shutdown`), and at exit says that the rank exited.
+
+    It uses a store connection of its own (`store.clone()`), so a main thread waiting on the
+    store never delays it.
+    """
+
+    def __init__(self, store, rank: int, world, groups: dict[str, Callable[[], Any]]):
+        super().__init__(name="functional_shard-heartbeat", daemon=True)
+        try:
+            self._store = store.clone()
+        except (RuntimeError, AttributeError):
+            self._store = store
+        self._world = weakref.ref(world)
+        self.rank = rank
+        self._groups = dict(groups)
+        self._stopping = threading.Event()
+        self._beats = 0
+
+    @classmethod
+    def ensure(cls, store, rank: int, world, groups: dict[str, Callable[[], Any]]) -> "Heartbeat":
+        """This process's heartbeat for the world of process group `world`, started if there
+        is none, counting `groups` too."""
+        for thread in threading.enumerate():
+            if isinstance(thread, cls) and thread.is_alive() and not thread._stopping.is_set():
+                if thread._world() is world:
+                    thread._groups.update(groups)
+                    return thread
+                thread.stop()  # a previous world's
+        heartbeat = cls(store, rank, world, groups)
+        heartbeat._publish()  # the first beat before any agreement can wait for it
+        atexit.register(heartbeat._at_exit)
+        heartbeat.start()
+        return heartbeat
+
+    def _publish(self, exited: bool = False) -> None:
+        self._beats += 1
+        beat = {"beat": self._beats, "collectives": collective_counts(self._groups), "exited": exited}
+        self._store.set(_beat_key(self.rank), json.dumps(beat))
+
+    def run(self) -> None:
+        while not self._stopping.wait(HEARTBEAT_PERIOD):
+            if not dist.is_initialized():
+                return
+            try:
+                self._publish()
+            except Exception:  # noqa: BLE001 - the store is gone: so is the world
+                return
+
+    def stop(self) -> None:
+        """End the thread (and wait for it: it must not be inside the store at interpreter exit)."""
+        self._stopping.set()
+        if self is not threading.current_thread() and self.is_alive():
+            self.join(timeout=2 * HEARTBEAT_PERIOD + 1.0)
+        try:
+            atexit.unregister(self._at_exit)
+        except Exception:  # noqa: BLE001
+            pass
+
+    def _at_exit(self) -> None:
+        self.stop()
+        try:
+            self._publish(exited=True)  # ranks waiting for this one learn it at once
+        except Exception:  # noqa: BLE001 - the store may already be gone
+            pass
+
+
+def stop_heartbeats() -> None:
+    """Stop this process's heartbeat threads (`fs.shutdown`: the world they watched ends)."""
+    for thread in threading.enumerate():
+        if isinstance(thread, Heartbeat):
+            thread.stop()
