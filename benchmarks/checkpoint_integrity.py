@@ -4,12 +4,14 @@
 
 Builds the `gpt` workload of `benchmarks/_workloads.py` (8 layers, d_model 256: 6.4 M parameters)
 with AdamW, takes one step (so the optimizer state is full), then saves it `--repeats` times to
-new directories and loads each back, on `--world` gloo processes, alternating two arms: `crc32`
-(as shipped) and `none` (the same code with the checksum function replaced by a constant, so
-nothing else differs). Prints, per rank and arm, the median and spread of save and load times,
-and how long `zlib.crc32` alone takes over this rank's bytes. Alternating the arms within one
-run keeps a loaded machine's drift out of the difference. With an `fs.checkpoint` that has no
-checksums (`PYTHONPATH=/path/to/an/old/checkout`), only the `as is` arm runs.
+new directories and loads each back, on `--world` gloo processes, alternating three arms:
+`crc32` (as shipped: checksums written, every chunk read checked), `verify=False` (checksums
+written, `load(..., verify=False)`), and `none` (the same code with the checksum function
+replaced by a constant, loaded with `verify=False`: no checksum work at all). Prints, per rank
+and arm, the median and spread of save and load times, and how long `zlib.crc32` alone takes
+over this rank's bytes. Alternating the arms within one run keeps a loaded machine's drift out
+of the differences. With an `fs.checkpoint` that has no checksums
+(`PYTHONPATH=/path/to/an/old/checkout`), only the `as is` arm runs.
 """
 
 from __future__ import annotations
@@ -42,21 +44,22 @@ def measure(mesh, directory: str, repeats: int) -> dict:
     from functional_shard.checkpoint import _files
 
     shipped = getattr(_files, "checksum", None)
-    arms = {"crc32": shipped, "none": lambda tensor: "00000000"} if shipped else {"as is": None}
+    constant = lambda tensor: "00000000"  # noqa: E731
+    arms = {"crc32": (shipped, True), "verify=False": (shipped, False), "none": (constant, False)} if shipped else {"as is": (None, None)}
     times: dict[str, dict[str, list[float]]] = {arm: {"save": [], "load": []} for arm in arms}
     template = step.init(params)
     for i in range(repeats):
-        for arm, function in arms.items():
+        for arm, (function, verify) in arms.items():
             if function is not None:
                 _files.checksum = function
-            path = os.path.join(directory, f"c{i}-{arm.replace(' ', '')}")
+            path = os.path.join(directory, f"c{i}-{arm.replace(' ', '').replace('=', '')}")
             mesh.all_gather_world(torch.zeros(1))
             t = time.perf_counter()
             fs.checkpoint.save(path, state)
             times[arm]["save"].append(time.perf_counter() - t)
             mesh.all_gather_world(torch.zeros(1))
             t = time.perf_counter()
-            fs.checkpoint.load(path, template)
+            fs.checkpoint.load(path, template) if verify is None else fs.checkpoint.load(path, template, verify=verify)
             times[arm]["load"].append(time.perf_counter() - t)
     if shipped:
         _files.checksum = shipped
@@ -91,7 +94,7 @@ def main() -> None:
     print(f"fs {fs.__version__} at {os.path.dirname(fs.__file__)}; world {args.world}; checkpoint {size / 1e6:.1f} MB")
     for rank, r in enumerate(results):
         for arm, t in r["arms"].items():
-            print(f"rank {rank} {arm:>5}: save {ms(t['save'])}  load {ms(t['load'])}")
+            print(f"rank {rank} {arm:>12}: save {ms(t['save'])}  load {ms(t['load'])}")
         print(f"rank {rank}: zlib.crc32 alone over its {r['bytes'] / 1e6:.1f} MB: {ms(r['crc'])}")
 
 

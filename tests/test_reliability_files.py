@@ -252,9 +252,10 @@ def test_overwrite_replaces_a_checkpoint(local_world, tmp_path):
 # --- 4. integrity: a flipped byte, a rank file from another save ------------------------------
 
 
-def try_load(mesh, path: str):
+def try_load(mesh, path: str, verify: bool = True):
     try:
-        load_step(mesh, path)
+        step, params = make_step(mesh)
+        fs.checkpoint.load(path, step.init(params), verify=verify)
     except CheckpointError as error:
         return str(error)
     return None
@@ -298,6 +299,12 @@ def test_damaged_rank_file_is_refused_naming_it(local_world, two_saves, tmp_path
     assert all(expected in m for m in named), named
     with pytest.raises(CheckpointError, match=file):
         fs.checkpoint.read(path)
+    # The opt-out skips the per-byte check only: a file of another save is refused still.
+    unverified = local_world(2).run(try_load, str(path), False)
+    if damage == "flipped byte":
+        assert unverified == [None, None], unverified
+    else:
+        assert any(m is not None and str(target) in m and "written by another save" in m for m in unverified), unverified
 
 
 # --- 5. a failed commit leaves no partial directory --------------------------------------------

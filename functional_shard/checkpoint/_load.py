@@ -28,7 +28,7 @@ __all__ = ["load", "read"]
 OPERATION = "fs.checkpoint.load"  # the name every rank states on entering (`BaseMesh.agree`)
 
 
-def load(path: str | os.PathLike, template: StepState) -> StepState:
+def load(path: str | os.PathLike, template: StepState, *, verify: bool = True) -> StepState:
     """The state saved at `path`, laid out like `template`; every rank calls it.
 
     Arguments:
@@ -36,6 +36,9 @@ def load(path: str | os.PathLike, template: StepState) -> StepState:
         template: a `StepState` of the step that will continue training, e.g.
             `step.init(params)`: it gives the mesh, the unit layout and the optimizer state's
             structure. Its values are ignored and never modified.
+        verify: check every chunk this rank reads against its CRC-32 (one more pass over the
+            bytes read: see docs/checkpoints.md for what it costs). False skips only that: each
+            file's header is still checked against the commit marker and the save's identity.
 
     Returns a new `StepState` of the template's step, holding the saved parameters, optimizer
     state and step number. The checkpoint may come from any world size, mesh (hybrid or not)
@@ -46,7 +49,10 @@ def load(path: str | os.PathLike, template: StepState) -> StepState:
     Raises `CheckpointError`, on every rank and before any tensor is read, if the checkpoint is
     incomplete (naming what is missing: an interrupted save), is not a checkpoint, or does not
     fit the template (naming the first leaf whose path, shape or dtype differs, or the optimizer
-    structure). Reads JSON and safetensors only: nothing in the files is executed.
+    structure); or, once reading, if a file is damaged: a rank file of another save (copied from
+    another checkpoint) or whose header changed, or a chunk whose bytes fail their CRC-32, naming
+    the file (the template untouched). Reads JSON and safetensors only: nothing in the files is
+    executed.
     """
     if not isinstance(template, StepState):
         raise TypeError(
@@ -57,7 +63,7 @@ def load(path: str | os.PathLike, template: StepState) -> StepState:
     mesh.agree(OPERATION)
     result, error = None, None
     try:
-        result = _load_here(os.path.abspath(path), template)
+        result = _load_here(os.path.abspath(path), template, verify)
     except Exception as e:  # noqa: BLE001 (the other ranks must learn of it)
         error = e
     mesh.succeed_together(
@@ -66,14 +72,14 @@ def load(path: str | os.PathLike, template: StepState) -> StepState:
     return result
 
 
-def _load_here(path: str, template: StepState) -> StepState:
+def _load_here(path: str, template: StepState, verify: bool) -> StepState:
     sharded = template.params
     layout, mesh = sharded.layout, sharded.mesh
     slots, structure = optimizer_slots(template.opt_state, layout)
     extras = step_tensors(template)
     expected = entries_of(layout, slots, extras)
     index = open_index(path)
-    with ChunkReader(path, index) as reader:
+    with ChunkReader(path, index, verify=verify) as reader:
         saved = [entry for entry, _ in reader.entries.values()]
         check_compatible(saved, index.get("optimizer_structure"), expected, str(structure), f"checkpoint {path}")
         step = index.get("step")
@@ -130,11 +136,12 @@ def _read_shard(reader: ChunkReader, layout: Layout, spec: BufferSpec, shard_ind
     return out.to(device)
 
 
-def read(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+def read(path: str | os.PathLike, *, verify: bool = True) -> dict[str, torch.Tensor]:
     """Every tensor of the checkpoint at `path`, whole, by name (`params/<leaf path>`,
     `opt/<state path>/<leaf path>`, `opt/<state path>`), in one process: for inspection and
-    conversion. The step number and what saved it are in `<path>/index.json`."""
+    conversion. The step number and what saved it are in `<path>/index.json`. `verify`: as for
+    `load` (every byte checked against its CRC-32 unless False)."""
     path = os.path.abspath(path)
     index = open_index(path)
-    with ChunkReader(path, index) as reader:
+    with ChunkReader(path, index, verify=verify) as reader:
         return {key: reader.read(key) for key in reader.entries}
