@@ -38,7 +38,7 @@ from ._pytree import tree_flatten, tree_paths
 from .schedule._graph import copy_graph, microbatch_label
 from .schedule._lower import drop_collectives, free_sent_and_received, gather_casts_in_place, gradients_in_place, runnable
 
-__all__ = ["CacheKey", "CompiledStep", "FlatIO", "Jit", "TraceError"]
+__all__ = ["CacheKey", "CompiledStep", "FlatIO", "Jit", "TraceError", "agree"]
 
 
 class TraceError(ValueError):
@@ -323,6 +323,37 @@ def _mark_forward_end(gm: fx.GraphModule, output_index: int) -> None:
     schedule_lib.mark_forward_end(node)
 
 
+def agree(mesh, operation: str, facts: tuple[str, ...], value: int = 0) -> bool:
+    """Every rank states the collective operation it enters, what it is (`facts`: lines such
+    as the step's mode and optimizer, which every rank must hold alike) and an int (`value`,
+    a traced graph's digest, or 0), hashed into the one int of the agreement every collective
+    operation opens with (`BaseMesh.agree`). Returns whether every rank stated the same facts
+    and value.
+
+    Ranks whose facts differ raise `MeshError` together, before any other collective, naming
+    the first fact that differs and what each rank holds there (found by a few all-gathers,
+    only when the ints differ); so do ranks in different operations (`BaseMesh.agree`)."""
+    if not facts:
+        return len(set(mesh.agree(operation, value))) == 1
+    if len(set(mesh.agree(operation, _mesh._digest("\n".join((*facts, str(value))))))) == 1:
+        return True
+    try:
+        mesh.check_same_sequence(f"what {operation} is", list(facts))
+    except _mesh.MeshError as error:
+        groups: dict[str, list[int]] = {}
+        for rank, fact in error.differences.items():
+            groups.setdefault(fact, []).append(rank)
+        held = "; ".join(f"rank {r[0]}: {fact}" if len(r) == 1 else f"ranks {r}: {fact}" for fact, r in groups.items())
+        raise _mesh.MeshError(
+            f"ranks disagree on what {operation} is: {held}. Every rank must make the same step (the same "
+            f"optimizer, hyperparameters and learning rate schedule, fs.Schedule(trace=...), microbatches, loss "
+            f"scale and nonfinite policy) and give it states at the same point: nothing of {operation} ran on any "
+            f"rank, and its state is untouched",
+            error.differences,
+        ) from None
+    return False
+
+
 # How a rank that failed to trace fills its place in the ranks' comparison of collectives.
 _FAILED = "<could not trace the step>"
 
@@ -379,11 +410,12 @@ class Jit:
         io = compiled.io if compiled is not None else FlatIO(layout, state_structure, batch_structure, batch_leaves)
         return key, io, io.inputs(shards, state_leaves, batch_leaves), compiled
 
-    def run(self, layout: Layout, shards, state, batch) -> tuple[Any, CompiledStep]:
-        """Run the program traced: look it up, agree with the other ranks (tracing where needed), replay."""
+    def run(self, layout: Layout, shards, state, batch, facts: tuple[str, ...] = ()) -> tuple[Any, CompiledStep]:
+        """Run the program traced: look it up, agree with the other ranks on `facts` (what the
+        program is: `agree`) and the graph (tracing where needed), replay."""
         key, io, inputs, compiled = self._key_and_inputs(layout, shards, state, batch)
-        digests = self.mesh.agree(self.name, compiled.digest if compiled is not None else 0)
-        if compiled is None or len(set(digests)) > 1:
+        same = agree(self.mesh, self.name, facts, compiled.digest if compiled is not None else 0)
+        if compiled is None or not same:
             compiled = self._agree_on_trace(key, io, inputs, compiled, layout, batch)
         self.cache.move_to_end(key)
         self.last = compiled

@@ -33,7 +33,7 @@ from ._layout import Layout
 from ._mesh import BaseMesh
 from ._pytree import tree_flatten, tree_map, tree_unflatten
 from ._shard import gather_buffer, gather_full
-from .optim import LeafLayout, global_norm, global_sum
+from .optim import LeafLayout, global_norm
 
 __all__ = [
     "StepError",
@@ -100,7 +100,6 @@ class Gradients(NamedTuple):
     loss: torch.Tensor  # this rank's loss (weighted mean over its micro-batches), 0-d, detached
     mean_loss: torch.Tensor  # the loss over every rank (weighted mean), 0-d float32
     aux: Any  # what loss_fn returned besides the loss (None without has_aux; per micro-batch: a list)
-    finite: torch.Tensor | None  # with loss scaling: whether the whole gradient is finite (0-d bool)
     microbatch_losses: tuple  # each micro-batch's loss, where its forward ends (one with a single batch)
 
 
@@ -114,7 +113,7 @@ class StepOutput(NamedTuple):
     mean_loss: torch.Tensor  # mean over ranks of the local losses, 0-d float32
     loss: torch.Tensor  # this rank's loss
     grad_norm: torch.Tensor  # 2-norm of the whole mean gradient (before any clipping)
-    skipped: torch.Tensor  # 0-d bool: the update was skipped (a gradient not finite under loss scaling)
+    nonfinite: torch.Tensor  # 0-d bool: grad_norm is not finite (the step decides whether to keep the update)
     aux: Any  # loss_fn's aux, or None
     microbatch_losses: tuple = ()  # each micro-batch's loss: where each forward ends
 
@@ -243,15 +242,10 @@ def gradients(fn: StepFunction, layout: Layout, shards, local, batch, loss_scale
                 mean = {name: g / sums[1].to(g.dtype) for name, g in zip(names, total)}
             mean_loss = (sums[0] / sums[1]).reshape(())
             loss = (loss_sum / weight_sum).to(losses[0].dtype)
-        finite = None
         if scale is not None:
             mean = {name: g / scale.to(g.dtype) for name, g in mean.items()}
-            nonfinite = torch.zeros(1, dtype=torch.float32)
-            for g in mean.values():
-                nonfinite = nonfinite + (~torch.isfinite(g)).sum().float()
-            finite = global_sum(nonfinite, mesh).reshape(()) == 0
     aux = (auxes[0] if fn.microbatches == 1 else auxes) if fn.has_aux else None
-    return Gradients(mean, local, loss, mean_loss, aux, finite, tuple(losses))
+    return Gradients(mean, local, loss, mean_loss, aux, tuple(losses))
 
 
 def _weighted_seed(extras: tuple, mesh: BaseMesh, seeded: list) -> torch.Tensor | None:
@@ -377,9 +371,10 @@ def _reduce_full(layout: Layout, trainable, shards, fulls, mesh) -> list[torch.T
 
 
 def update(fn: StepFunction, layout: Layout, shards, local, opt_state, loss_scale, scalars, batch) -> StepOutput:
-    """One whole step: gradients, the global gradient norm, the optimizer's update (skipped
-    where loss scaling found a non-finite gradient), the mean loss."""
-    grads, local, loss, mean, aux, finite, microbatch_losses = gradients(fn, layout, shards, local, batch, loss_scale)
+    """One whole step: gradients, the global gradient norm, the optimizer's update, the mean
+    loss, and whether the gradient was finite (the step, `_step`, decides whether to keep the
+    update: `_nonfinite`; the loss scale backs off here)."""
+    grads, local, loss, mean, aux, microbatch_losses = gradients(fn, layout, shards, local, batch, loss_scale)
     trainable = {spec.name: s for spec, s in zip(layout.buffers, shards) if spec.trainable}
     with _tracing.phase("update"):
         norm = global_norm(list(grads.values()), fn.mesh) if grads else torch.zeros(())
@@ -387,14 +382,13 @@ def update(fn: StepFunction, layout: Layout, shards, local, opt_state, loss_scal
             grads, opt_state, trainable, scalars, inplace=fn.donate, mesh=fn.mesh,
             leaves=LeafLayout.of_shards(layout, fn.mesh.shard_index),
         )
-    skipped = torch.zeros((), dtype=torch.bool)
-    if finite is not None:
-        skipped = ~finite
-        new_trainable = {n: torch.where(finite, t, trainable[n]) for n, t in new_trainable.items()}
-        new_opt_state = tree_map(lambda new, old: torch.where(finite, new, old), new_opt_state, opt_state)
+    # The norm is all-reduced: every rank reads the same verdict, with no collective of its own.
+    # Not finite exactly when some element of the gradient is not (or the norm overflows its dtype).
+    finite = torch.isfinite(norm)
+    if fn.loss_scale is not None:
         loss_scale = fn.loss_scale.next(loss_scale, finite)
     new_shards = [new_trainable.get(spec.name, s) for spec, s in zip(layout.buffers, shards)]
-    return StepOutput(new_shards, local, new_opt_state, loss_scale, mean, loss, norm, skipped, aux, microbatch_losses)
+    return StepOutput(new_shards, local, new_opt_state, loss_scale, mean, loss, norm, ~finite, aux, microbatch_losses)
 
 
 def evaluate(fn: StepFunction, layout: Layout, shards, local, batch) -> EvalOutput:

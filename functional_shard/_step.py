@@ -17,14 +17,15 @@ import torch
 
 import contextlib
 
-from . import _reference
-from ._jit import Jit
+from . import _nonfinite, _reference
+from ._jit import Jit, agree
 from ._layout import Layout, make_layout
 from ._mesh import BaseMesh
 from ._pytree import pytree_dataclass, static_field
-from ._checks import broadcast_from_rank0, check_leaves, check_same_values
+from ._checks import broadcast_from_rank0, check_leaves, check_same_values, optimizer_facts, scalar_facts, step_facts
 from ._reference import StepError, StepFunction
 from .initialize import shard_from
+from ._nonfinite import NonFinite
 from .precision import Precision
 from ._shard import Sharded, _check_shards, shard_leaves
 from ._units import Units
@@ -118,6 +119,7 @@ class ShardedStep:
         max_traces: int = 8,
         precision: Precision | None = None,
         microbatches: int = 1,
+        nonfinite: NonFinite | str | None = None,
     ):
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable; got {type(loss_fn).__name__}")
@@ -138,6 +140,7 @@ class ShardedStep:
                 "loss scaling skips the update of a step whose gradient is not finite, which needs the old "
                 "parameters: it cannot be combined with donate=True"
             )
+        self.nonfinite = _nonfinite.resolve(nonfinite, donate=donate, loss_scale=loss_scale)
         if schedule.trace and not mesh.supports_tracing:
             raise StepError(
                 f"{mesh!r} cannot trace a step (its ranks are threads, and make_fx traces one thread at a "
@@ -160,6 +163,9 @@ class ShardedStep:
         self._eval_jit = Jit(self._evaluate, "step.evaluate", mesh, schedule, max_traces=max_traces)
         name = getattr(loss_fn, "__qualname__", type(loss_fn).__name__)
         self._key = _StepKey(f"{name} at 0x{id(self):x} on {mesh!r}")
+        # What ranks agree on before each step, with the optimizer's per-step scalars (`_jit.agree`).
+        self._facts = step_facts(schedule, self.nonfinite, microbatches, loss_scale)
+        self._optimizer_facts = optimizer_facts(optimizer)
 
     def __repr__(self) -> str:
         return f"ShardedStep({self._key.description}, {self.schedule})"
@@ -239,10 +245,16 @@ class ShardedStep:
         `local_loss`, this rank's; `aux`, what `loss_fn` returned besides the loss (with
         `has_aux=True`); `all_gather_bytes` / `reduce_scatter_bytes`, bytes of the full
         buffers the step's collectives moved; `grad_norm`, the 2-norm of the whole mean
-        gradient (what `torch.nn.utils.clip_grad_norm_` reports); with loss scaling,
-        `skipped` (0-d bool: the gradient was not finite, nothing was updated) and
-        `loss_scale` (the scale this step used). `state` is never modified, whether the step
-        succeeds or raises, unless the step was made with `donate=True`.
+        gradient (what `torch.nn.utils.clip_grad_norm_` reports); `skipped` (0-d bool: the
+        gradient was not finite and nothing was updated, see `fs.NonFinite`); with loss
+        scaling, `loss_scale` (the scale this step used). `state` is never modified, whether
+        the step succeeds or raises, unless the step was made with `donate=True`.
+
+        Before any collective of the step, ranks agree on what it is — traced or eager, the
+        optimizer, its hyperparameters and this step's learning rate, micro-batches, loss
+        scale, non-finite policy — and raise `MeshError` together, naming the ranks and what
+        differs, instead of training a silent mixture (within the agreement every step opens
+        with, `mesh.agree`, which also compares the traced graphs: no other round trip).
 
         Ranks may pass batches of different shapes (a traced step then runs a graph per
         shape, and checks that every rank issues the same collectives before any runs).
@@ -250,25 +262,30 @@ class ShardedStep:
         self._check_state(state)
         sharded = state.params
         scalars = self.optimizer.scalars(state.opt_state)
+        facts = (*self._facts, self._optimizer_facts[0], *scalar_facts(scalars), *self._optimizer_facts[1:])
         rest = (sharded.local, state.opt_state, state.loss_scale, scalars)
         with self._random_stream(state):
             if not self.schedule.trace:
-                self.mesh.agree("a training step")
+                agree(self.mesh, "a training step", facts)
                 with torch.no_grad():
                     out = self._train(sharded.layout, sharded.shards, rest, batch)
                 moved = _eager_bytes(sharded.layout, self.microbatches, self.schedule.accumulate)
             else:
-                out, compiled = self._jit.run(sharded.layout, sharded.shards, rest, batch)
+                out, compiled = self._jit.run(sharded.layout, sharded.shards, rest, batch, facts)
                 moved = compiled.all_gather_bytes, compiled.reduce_scatter_bytes
         if self.donate:
             self._key.donated.add(state)
-        new_state = StepState(
-            sharded.replace(shards=out.shards, local=out.local), out.opt_state, out.loss_scale, state.rng, state.step + 1, self._key
+        skip = _nonfinite.skip_update(
+            self.nonfinite, out, step=state.step, rank=self.mesh.rank, loss_scale=self._fn.loss_scale, donated=self.donate
         )
+        # Skipped: the state given, as it was (parameters, module buffers, optimizer state).
+        params = sharded if skip else sharded.replace(shards=out.shards, local=out.local)
+        opt_state = state.opt_state if skip else out.opt_state
+        new_state = StepState(params, opt_state, out.loss_scale, state.rng, state.step + 1, self._key)
         metrics = self._metrics(out.mean_loss, out.loss, out.aux, *moved)
         metrics["grad_norm"] = out.grad_norm
+        metrics["skipped"] = out.nonfinite if self.nonfinite is not NonFinite.APPLY else torch.zeros((), dtype=torch.bool)
         if out.loss_scale is not None:
-            metrics["skipped"] = out.skipped
             metrics["loss_scale"] = state.loss_scale.scale
         return new_state, metrics
 
@@ -285,12 +302,12 @@ class ShardedStep:
         sharded = state.params
         with self._random_stream(state):
             if not self.schedule.trace:
-                self.mesh.agree("step.evaluate")
+                agree(self.mesh, "step.evaluate", self._facts[:1])
                 with torch.no_grad():
                     out = self._evaluate(sharded.layout, sharded.shards, (sharded.local,), batch)
                 moved = sum(b.nbytes for b in sharded.layout.buffers), 0
             else:
-                out, compiled = self._eval_jit.run(sharded.layout, sharded.shards, (sharded.local,), batch)
+                out, compiled = self._eval_jit.run(sharded.layout, sharded.shards, (sharded.local,), batch, self._facts[:1])
                 moved = compiled.all_gather_bytes, compiled.reduce_scatter_bytes
         return self._metrics(out.mean_loss, out.loss, out.aux, *moved)
 
@@ -357,7 +374,7 @@ class ShardedStep:
         sharded = state.params
         self.mesh.agree("step.grad")
         with self._random_stream(state), torch.no_grad():
-            grads, _, loss, mean_loss, aux, _, _ = _reference.gradients(
+            grads, _, loss, mean_loss, aux, _ = _reference.gradients(
                 self._fn, sharded.layout, sharded.shards, sharded.local, batch, state.loss_scale
             )
         shards = [grads.get(spec.name, torch.zeros_like(s)) for spec, s in zip(sharded.layout.buffers, sharded.shards)]
@@ -454,6 +471,7 @@ def sharded_step(
     max_traces: int = 8,
     precision: Precision | None = None,
     microbatches: int = 1,
+    nonfinite: NonFinite | str | None = None,
 ) -> ShardedStep:
     """Make a fully sharded (FSDP / ZeRO-3) training step for `loss_fn`.
 
@@ -484,6 +502,13 @@ def sharded_step(
             micro-batches, run one after the other within the step (one micro-batch's
             activations alive at a time), and accumulate their gradients as the schedule's
             `accumulate` says. The loss is the mean over micro-batches (or weighted).
+        nonfinite: what to do with a step whose gradient is not finite (a NaN or an Inf in
+            any rank's batch or gradient; `metrics["grad_norm"]` not finite): an
+            `fs.NonFinite` or its value. `"skip"` (the default): keep the state as it was
+            (parameters, module buffers, optimizer state) on every rank, set
+            `metrics["skipped"]` and warn; `"raise"` (the default with `donate=True`, which
+            cannot keep the old state): `fs.NonFiniteError` on every rank; `"apply"`: apply
+            it anyway. fp16 loss scaling always skips (see `fs.LossScale`).
 
     `loss_fn` may return `fs.WeightedLoss(loss, weight)` (e.g. its count of non-ignored
     tokens) to weigh ranks and micro-batches: the step then trains on the weighted mean,
@@ -502,4 +527,5 @@ def sharded_step(
         max_traces=max_traces,
         precision=precision,
         microbatches=microbatches,
+        nonfinite=nonfinite,
     )

@@ -35,19 +35,33 @@ def _check_floating(name: str, dtype) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class LossScale:
-    """Dynamic loss scaling (the defaults of `torch.amp.GradScaler`).
+    """Dynamic loss scaling: the defaults of `torch.amp.GradScaler`, with DeepSpeed's floor.
+
+    A step whose gradient is not finite is skipped (parameters, module buffers and optimizer
+    state unchanged; `metrics["skipped"]`) and the scale backs off, never below `min_scale`.
+    Under a persistent overflow GradScaler's scale underflows to 0 (about 175 halvings from
+    2**16 in float32) and every later step is skipped, silently; here the scale stops at
+    `min_scale`, and `max_consecutive_skips` skipped steps in a row raise `fs.NonFiniteError`
+    (a gradient that is not finite at the floor is a NaN or an Inf no scale can fix).
 
     Attributes:
         init_scale: the first scale.
         growth_factor: the scale is multiplied by it after `growth_interval` finite steps in a row.
         backoff_factor: the scale is multiplied by it after a step whose gradient is not finite.
         growth_interval: finite steps in a row before the scale grows.
+        min_scale: the smallest scale (DeepSpeed's `min_loss_scale`, 1 by default); `init_scale`
+            must be at least this.
+        max_consecutive_skips: this many skipped steps in a row raise `fs.NonFiniteError` on every
+            rank, the state passed to the step untouched; None never raises. The default, 50, is
+            well beyond the 16 halvings that bring the default `init_scale` down to 1.
     """
 
     init_scale: float = 2.0**16
     growth_factor: float = 2.0
     backoff_factor: float = 0.5
     growth_interval: int = 2000
+    min_scale: float = 1.0
+    max_consecutive_skips: int | None = 50
 
     def __post_init__(self) -> None:
         if not self.init_scale > 0:
@@ -58,27 +72,45 @@ class LossScale:
             raise ValueError(f"LossScale.backoff_factor must be in (0, 1); got {self.backoff_factor!r}")
         if not isinstance(self.growth_interval, int) or self.growth_interval < 1:
             raise ValueError(f"LossScale.growth_interval must be an int >= 1; got {self.growth_interval!r}")
+        if not 0 < self.min_scale <= self.init_scale:
+            raise ValueError(
+                f"LossScale.min_scale must be > 0 and <= init_scale ({self.init_scale!r}); got {self.min_scale!r}"
+            )
+        skips = self.max_consecutive_skips
+        if skips is not None and (not isinstance(skips, int) or isinstance(skips, bool) or skips < 1):
+            raise ValueError(f"LossScale.max_consecutive_skips must be an int >= 1 or None; got {skips!r}")
 
     def init(self) -> "LossScaleState":
         return LossScaleState(torch.tensor(self.init_scale, dtype=torch.float32), torch.tensor(0, dtype=torch.int64))
 
     def next(self, state: "LossScaleState", finite: torch.Tensor) -> "LossScaleState":
-        """The state after a step whose gradient was `finite` (a 0-d bool tensor); traceable."""
-        good = torch.where(finite, state.good_steps + 1, torch.zeros_like(state.good_steps))
+        """The state after a step whose gradient was `finite` (a 0-d bool tensor); traceable.
+
+        `good_steps` counts the current streak: finite steps in a row (up from 0 after a
+        skipped step), or minus the skipped steps in a row (down from 0 after a finite one)."""
+        good = state.good_steps
+        zero = torch.zeros_like(good)
+        good = torch.where(finite, torch.maximum(good, zero) + 1, torch.minimum(good, zero) - 1)
         grow = good >= self.growth_interval
         scale = torch.where(
             finite,
             torch.where(grow, state.scale * self.growth_factor, state.scale),
-            state.scale * self.backoff_factor,
+            torch.clamp(state.scale * self.backoff_factor, min=self.min_scale),
         )
-        return LossScaleState(scale, torch.where(grow, torch.zeros_like(good), good))
+        return LossScaleState(scale, torch.where(grow, zero, good))
+
+    def consecutive_skips(self, state: "LossScaleState") -> int:
+        """How many steps in a row were skipped before `state` (reads a tensor: eager only)."""
+        return max(0, -int(state.good_steps))
 
 
 class LossScaleState(NamedTuple):
     """The loss scale's state, part of the step state (saved with it)."""
 
     scale: torch.Tensor  # 0-d float32: the loss is multiplied by it before the backward
-    good_steps: torch.Tensor  # 0-d int64: finite steps in a row since the scale last changed
+    # 0-d int64: the current streak: finite steps in a row since the scale last changed (>= 0),
+    # or minus the steps skipped in a row (< 0)
+    good_steps: torch.Tensor
 
 
 @dataclasses.dataclass(frozen=True)
