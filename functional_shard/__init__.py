@@ -28,6 +28,8 @@ from ._mesh import Mesh as Mesh
 from ._mesh import MeshError as MeshError
 from ._mesh import PeerError as PeerError
 from ._reference import WeightedLoss as WeightedLoss
+from ._nonfinite import NonFinite as NonFinite
+from ._nonfinite import NonFiniteError as NonFiniteError
 from .precision import LossScale as LossScale
 from .precision import LossScaleState as LossScaleState
 from .precision import Precision as Precision
@@ -79,6 +81,8 @@ __all__ = [
     "Precision",
     "PeerError",
     "ModuleParams",
+    "NonFinite",
+    "NonFiniteError",
     "RankError",
     "Schedule",
     "ShardedStep",
