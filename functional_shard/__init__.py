@@ -10,6 +10,7 @@
 from . import analysis as analysis
 from . import optim as optim
 from . import checkpoint as checkpoint
+from . import data as data
 from . import initialize as initialize
 from . import testing as testing
 from ._export import export as export
@@ -97,6 +98,7 @@ __all__ = [
     "all_reduce",
     "analysis",
     "checkpoint",
+    "data",
     "export",
     "functionalize",
     "gather",

@@ -176,6 +176,10 @@ def _payload(main: Callable[..., Any], args: tuple, kwargs: dict) -> bytes:
 
 
 def _main_of_rank(payload: bytes) -> Any:
+    # The pool starts its ranks as daemons, and a daemon may not start processes: a `main` could
+    # not iterate a DataLoader with workers, as it can under torchrun. Its workers watch their
+    # parent and end with it.
+    multiprocessing.current_process().daemon = False
     main, args, kwargs = _loads(payload)
     result = main(*args, **kwargs)
     # Only rank 0's result is wanted; the others' need not even be picklable.

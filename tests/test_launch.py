@@ -233,6 +233,17 @@ def test_under_torchrun_a_rank_that_raises_ends_the_run(tmp_path):
     assert time.monotonic() - started < 60  # torchrun stopped rank 0; nothing waited for a collective timeout
 
 
+def iterates_a_dataloader_with_workers() -> list[list[int]]:
+    from torch.utils.data import DataLoader, TensorDataset
+
+    return [batch[0].tolist() for batch in DataLoader(TensorDataset(torch.arange(10)), batch_size=5, num_workers=2)]
+
+
+def test_a_launched_rank_may_start_dataloader_workers():
+    # As under torchrun: the pool starts its ranks as daemons, which may not have children.
+    assert fs.launch(iterates_a_dataloader_with_workers, world_size=1) == [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]
+
+
 # --- a pool of ranks -----------------------------------------------------------------------------
 
 
