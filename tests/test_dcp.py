@@ -30,7 +30,8 @@ import torch.nn.functional as F
 
 import functional_shard as fs
 from functional_shard.checkpoint import CheckpointError
-from functional_shard.models import GPT, GPTConfig
+from functional_shard.checkpoint._dcp_files import PlannedTensor, metadata_bytes, read_metadata
+from functional_shard.models import GPT, MLP, GPTConfig
 
 VOCAB = 50
 ROWS = 4  # global batch: divisible by every world size used (1, 2, 4)
@@ -174,6 +175,8 @@ def test_fsdp2_checkpoint_loads_exactly_and_trains_on(local_world, fsdp2_checkpo
         assert torch.equal(loaded["count"], saved[f"step/{name}"])
         assert torch.equal(plain[f"params/{name}"], saved[f"params/{name}"]), name
     assert number == SAVED_AT
+    if world_size == 2:  # FSDP2's world size: the same sums in the same order, so FSDP2's own bits
+        assert all(torch.equal(fs_end[n], fsdp2_end[n]) for n in fsdp2_end)
     assert plain_step == 0 and float(plain["count"]) == 0 and all(not v.any() for k, v in plain.items() if k.startswith("exp_avg"))
     fs_err, fsdp2_err = distance(fs_end, reference), distance(fsdp2_end, reference)
     assert fs_err <= 1.5 * fsdp2_err + 1e-6, (fs_err, fsdp2_err)
@@ -231,9 +234,66 @@ def test_fs_writes_dcp_that_fsdp2_loads(local_world, fsdp2_checkpoint, tmp_path)
             assert torch.equal(loaded[f"step/{name}"], values["count"]), name
         assert group["lr"] == HYPER["lr"] and group["weight_decay"] == HYPER["weight_decay"]
     # Written from 4 ranks, some of a leaf's ranges are not whole rows: stored as several boxes.
+    tensors = read_metadata(tmp_path / "groups").tensors.values()
+    cut = [t.key for t in tensors if len(t.shape) > 1 and any(c.sizes[-1] < t.shape[-1] for c in t.chunks)]
+    assert "model.blocks.0.mlp.fc.weight" in cut and "model.tok_emb.weight" in cut, cut
     index = fs.checkpoint.read_dcp(tmp_path / "groups")
     assert index["optim.param_groups.0.lr"] == HYPER["lr"]
     assert torch.equal(index["model.head.weight"], values["params/tok_emb.weight"])  # the tied name, same bytes
+
+
+class Buffered(MLP):
+    """An MLP with a frozen input projection, a module buffer and a non-persistent one."""
+
+    def __init__(self, seed: int):
+        torch.manual_seed(seed)
+        super().__init__(7, 16, 3, n_blocks=2)
+        self.input_proj.requires_grad_(False)
+        self.register_buffer("stat", torch.randn(5))
+        self.register_buffer("scratch", torch.full((3,), float(seed)), persistent=False)
+
+
+def buffered_checkpoint(directory: str) -> dict[str, torch.Tensor]:
+    """A single-process DCP checkpoint of `Buffered` after one AdamW step; its values by name."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    model = Buffered(0)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], **HYPER)
+    x, y = torch.randn(8, 7, generator=torch.Generator().manual_seed(5)), torch.arange(8) % 3
+    optimizer.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    optimizer.step()
+    sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+    dcp.save(sd, checkpoint_id=directory, no_dist=True)
+    out = {f"params/{n}": t.detach().clone() for n, t in model.state_dict().items()}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            out.update({f"{k}/{name}": optimizer.state[p][k].clone() for k in ("exp_avg", "exp_avg_sq")})
+    return out
+
+
+def load_buffered(mesh, source: str, target: str):
+    apply_fn, params = fs.functionalize(Buffered(1))
+    step = fs.sharded_step(lambda p, b: 0, mesh, optimizer=fs.optim.adamw(**HYPER), schedule=fs.Schedule(trace=False))
+    state = fs.checkpoint.load_dcp(source, step.init(params))
+    fs.checkpoint.save_dcp(target, state)
+    return fs_values(state), {n: t.clone() for n, t in fs.export(state).items()}
+
+
+def test_buffers_and_frozen_leaves_round_trip(local_world, tmp_path):
+    """Frozen leaves (no optimizer state) and module buffers load from a torch DCP checkpoint, a
+    non-persistent buffer keeps the template's value; fs writes back the same keys and values."""
+    saved = buffered_checkpoint(str(tmp_path / "torch"))
+    values, exported = local_world(2).run(load_buffered, str(tmp_path / "torch"), str(tmp_path / "fs"))[0]
+    for key, value in saved.items():
+        got = exported[key.removeprefix("params/")] if key.startswith("params/") else values[key]
+        assert torch.equal(got, value), key
+    assert torch.equal(values["params/scratch"], torch.full((3,), 1.0))  # the template's (seed 1)
+    original, written = fs.checkpoint.read_dcp(tmp_path / "torch"), fs.checkpoint.read_dcp(tmp_path / "fs")
+    tensors = sorted(k for k, v in original.items() if isinstance(v, torch.Tensor))
+    assert tensors == sorted(written) and all(torch.equal(original[k], written[k]) for k in tensors)
+    assert "model.stat" in written and not any(k.startswith("optim.state.input_proj") for k in written)  # frozen: no state
 
 
 # --- trust ----------------------------------------------------------------------------------------
@@ -271,8 +331,6 @@ def test_a_metadata_pickle_that_runs_code_is_refused_unexecuted(fsdp2_checkpoint
 
 
 def test_a_data_item_that_runs_code_or_lies_outside_is_refused(tmp_path):
-    from functional_shard.checkpoint._dcp_files import PlannedTensor, metadata_bytes
-
     marker = tmp_path / "ran"
     for name, file in (("evil", "__0_0.distcp"), ("outside", "../__0_0.distcp")):
         directory = tmp_path / name
