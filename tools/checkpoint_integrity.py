@@ -1,6 +1,6 @@
 """What checkpoint integrity costs: save and load times of the GPT benchmark model, and the CRC-32s alone.
 
-    python benchmarks/checkpoint_integrity.py --world 2 --repeats 7
+    python tools/checkpoint_integrity.py --world 2 --repeats 9
 
 Builds the `gpt` workload of `benchmarks/_workloads.py` (8 layers, d_model 256: 6.4 M parameters)
 with AdamW, takes one step (so the optimizer state is full), then saves it `--repeats` times to
@@ -27,7 +27,7 @@ import zlib
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 
 import functional_shard as fs  # noqa: E402
 from _workloads import Workload  # noqa: E402
