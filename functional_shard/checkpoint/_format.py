@@ -259,7 +259,9 @@ def check_compatible(saved: list[Entry], saved_structure: str, expected: list[En
         for entry in saved:
             if entry.key.startswith(part) and entry.key not in expected_keys:
                 raise differ(f"{entry.key!r} ({entry.describe()}) is in the checkpoint but not in this state")
-    for entry in expected:
+    for entry in expected:  # the step's own tensors (rng, loss scale)
+        if entry.key.startswith(("params/", "opt/")):
+            continue
         other = by_key.get(entry.key)
         if other is None and entry.key.startswith("state/loss_scale/"):
             raise CheckpointError(
