@@ -30,7 +30,8 @@ import torch.nn.functional as F
 
 import functional_shard as fs
 from functional_shard.checkpoint import CheckpointError
-from functional_shard.checkpoint._dcp_files import PlannedTensor, metadata_bytes, read_metadata
+from functional_shard.checkpoint._dcp_files import read_metadata
+from functional_shard.checkpoint._dcp_save import PlannedTensor, metadata_bytes
 from functional_shard.models import GPT, MLP, GPTConfig
 
 VOCAB = 50
@@ -38,6 +39,7 @@ ROWS = 4  # global batch: divisible by every world size used (1, 2, 4)
 SAVED_AT = 2  # FSDP2 steps before the save
 MORE = 3  # steps after it, in FSDP2 and in fs
 HYPER = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
+EAGER = fs.Schedule(trace=False)  # the reference semantics, which every traced schedule keeps bit for bit
 
 
 def gpt(seed: int = 0, **changes) -> GPT:
@@ -95,7 +97,7 @@ def fs_values(state) -> dict[str, torch.Tensor]:
     sharded = state.params
     for key in ("exp_avg", "exp_avg_sq"):
         moments = getattr(state.opt_state, key)
-        shards = [moments[spec.name] if spec.trainable else s for spec, s in zip(sharded.layout.buffers, sharded.shards)]
+        shards = [moments[b.name] if b.trainable else s for b, s in zip(sharded.layout.buffers, sharded.shards)]
         out.update({f"{key}/{k}": v for k, v in fs.gather(sharded.replace(shards=shards)).items()})
     out["count"] = state.opt_state.count.clone()
     return out
@@ -103,10 +105,8 @@ def fs_values(state) -> dict[str, torch.Tensor]:
 
 def fs_step(mesh, seed: int = 1, optimizer=None):
     apply_fn, params = fs.functionalize(gpt(seed))
-    # Eager (the reference semantics, which every traced schedule keeps bit for bit): no tracing time.
-    step = fs.sharded_step(
-        lambda p, b: ce(apply_fn(p, b[0]), b[1]), mesh, optimizer=optimizer or fs.optim.adamw(**HYPER), schedule=fs.Schedule(trace=False)
-    )
+    optimizer = optimizer or fs.optim.adamw(**HYPER)
+    step = fs.sharded_step(lambda p, b: ce(apply_fn(p, b[0]), b[1]), mesh, optimizer=optimizer, schedule=EAGER)
     return step, params
 
 
@@ -136,7 +136,7 @@ def fsdp2_train_and_save(mesh, directory: str):
             p.copy_(saved[f"params/{name}"])
     ref_opt = torch.optim.AdamW(reference.parameters(), **HYPER)
     for name, p in reference.named_parameters():
-        ref_opt.state[p] = {"step": saved[f"step/{name}"].clone(), **{k: saved[f"{k}/{name}"].clone() for k in ("exp_avg", "exp_avg_sq")}}
+        ref_opt.state[p] = {k: saved[f"{k}/{name}"].clone() for k in ("step", "exp_avg", "exp_avg_sq")}
     for i in range(SAVED_AT, SAVED_AT + MORE):
         torch_step(reference, ref_opt, batch(i))
     return saved, end, {n: p.detach().clone() for n, p in reference.named_parameters()}
@@ -177,7 +177,8 @@ def test_fsdp2_checkpoint_loads_exactly_and_trains_on(local_world, fsdp2_checkpo
     assert number == SAVED_AT
     if world_size == 2:  # FSDP2's world size: the same sums in the same order, so FSDP2's own bits
         assert all(torch.equal(fs_end[n], fsdp2_end[n]) for n in fsdp2_end)
-    assert plain_step == 0 and float(plain["count"]) == 0 and all(not v.any() for k, v in plain.items() if k.startswith("exp_avg"))
+    assert plain_step == 0 and float(plain["count"]) == 0
+    assert all(not v.any() for k, v in plain.items() if k.startswith("exp_avg"))  # the template's fresh state
     fs_err, fsdp2_err = distance(fs_end, reference), distance(fsdp2_end, reference)
     assert fs_err <= 1.5 * fsdp2_err + 1e-6, (fs_err, fsdp2_err)
 
@@ -227,7 +228,7 @@ def test_fs_writes_dcp_that_fsdp2_loads(local_world, fsdp2_checkpoint, tmp_path)
     assert number == SAVED_AT + 1
     for loaded, group in local_world(2).run(fsdp2_load, str(tmp_path))[0]:
         names = [k.removeprefix("params/") for k in loaded if k.startswith("params/")]
-        assert len(names) == len([k for k in values if k.startswith("params/")]) - 0
+        assert sorted(names) == sorted(k.removeprefix("params/") for k in values if k.startswith("params/"))
         for name in names:
             for key in ("params", "exp_avg", "exp_avg_sq"):
                 assert torch.equal(loaded[f"{key}/{name}"], values[f"{key}/{name}"]), (key, name)
@@ -275,7 +276,7 @@ def buffered_checkpoint(directory: str) -> dict[str, torch.Tensor]:
 
 def load_buffered(mesh, source: str, target: str):
     apply_fn, params = fs.functionalize(Buffered(1))
-    step = fs.sharded_step(lambda p, b: 0, mesh, optimizer=fs.optim.adamw(**HYPER), schedule=fs.Schedule(trace=False))
+    step = fs.sharded_step(lambda p, b: 0, mesh, optimizer=fs.optim.adamw(**HYPER), schedule=EAGER)
     state = fs.checkpoint.load_dcp(source, step.init(params))
     fs.checkpoint.save_dcp(target, state)
     return fs_values(state), {n: t.clone() for n, t in fs.export(state).items()}
@@ -293,7 +294,8 @@ def test_buffers_and_frozen_leaves_round_trip(local_world, tmp_path):
     original, written = fs.checkpoint.read_dcp(tmp_path / "torch"), fs.checkpoint.read_dcp(tmp_path / "fs")
     tensors = sorted(k for k, v in original.items() if isinstance(v, torch.Tensor))
     assert tensors == sorted(written) and all(torch.equal(original[k], written[k]) for k in tensors)
-    assert "model.stat" in written and not any(k.startswith("optim.state.input_proj") for k in written)  # frozen: no state
+    assert "model.stat" in written
+    assert not any(k.startswith("optim.state.input_proj") for k in written)  # frozen: no optimizer state
 
 
 # --- trust ----------------------------------------------------------------------------------------
@@ -340,9 +342,11 @@ def test_a_data_item_that_runs_code_or_lies_outside_is_refused(tmp_path):
             length = f.tell()
         tensor = PlannedTensor("x", ("x",), (2,), torch.float32, [((0,), (2,), file, 0, length)])
         (directory / ".metadata").write_bytes(metadata_bytes([tensor], []))
-    with pytest.raises(CheckpointError, match=r"bytes of 'x' in .*evil/__0_0.distcp were refused by torch.load\(weights_only=True\)"):
+    refused = r"bytes of 'x' in .*evil/__0_0.distcp were refused by torch.load\(weights_only=True\)"
+    with pytest.raises(CheckpointError, match=refused):
         fs.checkpoint.read_dcp(tmp_path / "evil")
-    with pytest.raises(CheckpointError, match=r"places 'x' in '\.\./__0_0.distcp', which is not a file name in the checkpoint's directory"):
+    outside = r"places 'x' in '\.\./__0_0.distcp', which is not a file name in the checkpoint's directory"
+    with pytest.raises(CheckpointError, match=outside):
         fs.checkpoint.read_dcp(tmp_path / "outside")
     assert not marker.exists()
     with pytest.raises(CheckpointError, match=r"not a torch.distributed.checkpoint checkpoint \(no \.metadata file"):
@@ -369,7 +373,8 @@ def torch_checkpoints(directory):
         if name == "steps":
             optimizer.state[model.ln_f.bias]["step"] += 1
         optim = optimizer.state_dict() if name == "indexed" else get_optimizer_state_dict(model, optimizer)
-        dcp.save({"model": model.state_dict(), "optim": optim}, checkpoint_id=os.path.join(directory, name), no_dist=True)
+        sd = {"model": model.state_dict(), "optim": optim}
+        dcp.save(sd, checkpoint_id=os.path.join(directory, name), no_dist=True)
 
 
 def errors(mesh, directory: str, recipe: str, plain: str):
@@ -381,10 +386,10 @@ def errors(mesh, directory: str, recipe: str, plain: str):
         return "loaded"
 
     step, params = fs_step(mesh)
-    template = step.init(params)
+    template, fresh = step.init(params), step.init(params)
     other_step, other_params = fs_step(mesh)
     _, bigger = fs.functionalize(gpt(n_layer=3, d_model=48))
-    sgd_step = fs.sharded_step(lambda p, b: 0, mesh, optimizer=fs.optim.sgd(0.1, momentum=0.9), schedule=fs.Schedule(trace=False))
+    sgd_step = fs.sharded_step(lambda p, b: 0, mesh, optimizer=fs.optim.sgd(0.1, momentum=0.9), schedule=EAGER)
     return {
         "model": attempt(recipe, other_step.init(bigger)),
         "sgd_file": attempt(os.path.join(directory, "sgd"), template),
@@ -393,7 +398,7 @@ def errors(mesh, directory: str, recipe: str, plain: str):
         "steps": attempt(os.path.join(directory, "steps"), template),
         "indexed": attempt(os.path.join(directory, "indexed"), template),
         "plain_as_recipe": attempt(plain, template),
-        "unchanged": all(torch.equal(a, b) for a, b in zip(fs.tree_leaves(template), fs.tree_leaves(step.init(params)))),
+        "unchanged": all(torch.equal(a, b) for a, b in zip(fs.tree_leaves(template), fs.tree_leaves(fresh))),
     }
 
 
@@ -408,11 +413,14 @@ def test_mismatches_are_named(fsdp2_checkpoint, tmp_path):
     assert "missing from the checkpoint: 'blocks.2.ln1.weight' (float32[48])" in model
     assert "different: 'tok_emb.weight' is float32[50, 32] in the checkpoint, float32[50, 48] in this state" in model
     assert "(12 in all)" in model and "(28 in all)" in model  # the third block's 12 leaves, the 28 others' shapes
-    assert "holds optimizer state of another kind: 'momentum_buffer' for 'tok_emb.weight' (torch.optim.SGD's state" in out["sgd_file"]
-    assert "optimizer state (a SGDState) is of another kind than a DCP checkpoint's torch.optim.AdamW state: it holds no AdamWState" in out["sgd_template"]
+    sgd = "holds optimizer state of another kind: 'momentum_buffer' for 'tok_emb.weight' (torch.optim.SGD's state"
+    assert sgd in out["sgd_file"]
+    sgd = "optimizer state (a SGDState) is of another kind than a DCP checkpoint's torch.optim.AdamW state: it holds no"
+    assert sgd in out["sgd_template"]
     assert out["sgd_model_only"] == "loaded"
-    assert "step counts differ ('optim.state.tok_emb.weight.step' = 1, 'optim.state.ln_f.bias.step' = 2)" in out["steps"]
+    assert "counts differ ('optim.state.tok_emb.weight.step' = 1, 'optim.state.ln_f.bias.step' = 2)" in out["steps"]
     assert "keyed by parameter index (['0', '1', '2']...: optimizer.state_dict())" in out["indexed"]
-    assert "holds no model tensors under 'model' (it holds 29 tensors at the top level ('tok_emb.weight'," in out["plain_as_recipe"]
+    plain = "no model tensors under 'model' (it holds 29 tensors at the top level ('tok_emb.weight',"
+    assert plain in out["plain_as_recipe"]
     assert "pass model_key=None" in out["plain_as_recipe"]
     assert out["unchanged"]

@@ -37,6 +37,12 @@ __all__ = ["load_dcp", "read_dcp"]
 OPERATION = "fs.checkpoint.load_dcp"
 ADAMW_STATE = ("exp_avg", "exp_avg_sq")  # torch.optim.AdamW's per-parameter tensors (and `step`)
 _SHOWN = 6  # names listed in a mismatch message before "... (n in all)"
+_KNOWN_STATE = {  # per-parameter state names of other torch optimizers, for messages
+    "momentum_buffer": "torch.optim.SGD's",
+    "max_exp_avg_sq": "AdamW(amsgrad=True)'s",
+    "sum": "Adagrad's",
+    "square_avg": "RMSprop's",
+}
 
 
 def load_dcp(
@@ -88,18 +94,22 @@ def load_dcp(
     """
     if not isinstance(template, StepState):
         raise TypeError(
-            f"fs.checkpoint.load_dcp expects a template StepState (from step.init(params)); got {type(template).__name__}"
+            "fs.checkpoint.load_dcp expects a template StepState (from step.init(params)); "
+            f"got {type(template).__name__}"
         )
     _check_shards(template.params)
     mesh = template.params.mesh
     mesh.agree(OPERATION)
     result, error = None, None
     try:
-        result = _load_here(os.path.abspath(path), template, model_key, optim_key, rename or (lambda name: name), strict)
+        rename = rename or (lambda name: name)
+        result = _load_here(os.path.abspath(path), template, model_key, optim_key, rename, strict)
     except Exception as e:  # noqa: BLE001 (the other ranks must learn of it)
         error = e
     mesh.succeed_together(
-        OPERATION, error, lambda failed: CheckpointError(f"ranks {failed} could not load {path} (see their errors); no rank loaded it")
+        OPERATION,
+        error,
+        lambda failed: CheckpointError(f"ranks {failed} could not load {path} (see their errors); no rank loaded it"),
     )
     return result
 
@@ -158,8 +168,9 @@ def _optimizer_tensors(index: DcpIndex, optim_key: str) -> dict[str, dict[str, D
 
 def _top_level(index: DcpIndex) -> str:
     """What the checkpoint holds at its top level, in words (for messages)."""
-    nested = sorted({str(path[0]) for key in [*index.tensors, *index.objects] if len(path := _path_of(index, key)) > 1})
-    flat = [key for key in [*index.tensors, *index.objects] if len(_path_of(index, key)) == 1]
+    keys = [*index.tensors, *index.objects]
+    nested = sorted({str(_path_of(index, key)[0]) for key in keys if len(_path_of(index, key)) > 1})
+    flat = [key for key in keys if len(_path_of(index, key)) == 1]
     parts = [f"the keys {nested}"] if nested else []
     if flat:
         parts.append(f"{len(flat)} tensors at the top level ({_listing([repr(k) for k in flat][:3])}, ...)")
@@ -178,7 +189,9 @@ def _describe(dtype: torch.dtype, shape: tuple) -> str:
 # --- the model ------------------------------------------------------------------------------------
 
 
-def _match_model(layout: Layout, local: list[torch.Tensor], found: dict[str, DcpTensor], rename, strict: bool, where: str) -> dict[int, DcpTensor]:
+def _match_model(
+    layout: Layout, local: list[torch.Tensor], found: dict[str, DcpTensor], rename, strict: bool, where: str
+) -> dict[int, DcpTensor]:
     """Leaf index -> its tensor in the checkpoint (non-persistent buffers left out); raises
     naming every missing, mismatched and (with `strict`) extra tensor."""
     matched: dict[int, DcpTensor] = {}
@@ -236,7 +249,8 @@ def _adamw_of(opt_state: Any) -> tuple[list[Any], Any, int]:
         if others:
             what += f" and other state (a {type(others[0][1]).__name__} at {others[0][0]!r})"
         raise CheckpointError(
-            f"this state's optimizer state (a {type(opt_state).__name__}) is of another kind than a DCP checkpoint's torch.optim.AdamW state: it holds {what}. load_dcp maps AdamW's exp_avg, exp_avg_sq "
+            f"this state's optimizer state (a {type(opt_state).__name__}) is of another kind than a DCP "
+            f"checkpoint's torch.optim.AdamW state: it holds {what}. load_dcp maps AdamW's exp_avg, exp_avg_sq "
             f"and step onto fs.optim.adamw's state (alone, or chained after stateless transformations such as "
             f"clip_by_global_norm); pass optim_key=None to load the model only and start the optimizer afresh"
         )
@@ -253,12 +267,12 @@ def _match_optimizer(
     other = sorted({name for state in found.values() for name in state} - expected)
     if other:
         fqn = next(f for f, state in found.items() if other[0] in state)
-        known = {"momentum_buffer": "torch.optim.SGD's", "max_exp_avg_sq": "AdamW(amsgrad=True)'s", "sum": "Adagrad's", "square_avg": "RMSprop's"}
+        whose = _KNOWN_STATE.get(other[0], "not AdamW")
+        amsgrad = "(amsgrad=True)" if adam.max_exp_avg_sq is not None else ""
         raise CheckpointError(
-            f"{where} holds optimizer state of another kind: {other[0]!r} for {fqn!r} ({known.get(other[0], 'not AdamW')} "
-            f"state; all names: {other}), while this state's optimizer is fs.optim.adamw"
-            f"{'(amsgrad=True)' if adam.max_exp_avg_sq is not None else ''} ({sorted(expected)}). Build the step with the "
-            f"optimizer the checkpoint was trained with, or pass optim_key=None to load the model only"
+            f"{where} holds optimizer state of another kind: {other[0]!r} for {fqn!r} ({whose} state; all names: "
+            f"{other}), while this state's optimizer is fs.optim.adamw{amsgrad} ({sorted(expected)}). Build the step "
+            f"with the optimizer the checkpoint was trained with, or pass optim_key=None to load the model only"
         )
     if found and all(str(f).isdigit() for f in found):
         raise CheckpointError(
@@ -284,16 +298,21 @@ def _match_optimizer(
             if tensor is None:
                 missing.append(f"'{fqn}.{name}'")
                 continue
-            shape, dtype = ((), tensor.dtype) if name == "step" else (tuple(layout.shapes[i]), getattr(adam, name)[spec.name].dtype)
-            if tensor.shape != shape or tensor.dtype != dtype or (name == "step" and not tensor.dtype.is_floating_point and tensor.dtype != torch.int64):
-                mismatched.append(f"'{fqn}.{name}' is {tensor.describe()} in the checkpoint, {_describe(dtype, shape)} in this state")
+            if name == "step":  # any real dtype: its value is a count
+                shape, dtype = (), tensor.dtype
+            else:
+                shape, dtype = tuple(layout.shapes[i]), getattr(adam, name)[spec.name].dtype
+            if tensor.shape != shape or tensor.dtype != dtype:
+                want = _describe(dtype, shape)
+                mismatched.append(f"'{fqn}.{name}' is {tensor.describe()} in the checkpoint, {want} in this state")
             if name == "step":
                 steps.append(tensor)
             else:
                 matched[name, i] = tensor
     extra = [f"{fqn!r}" for fqn in found if fqn not in used]
     if stateless and len(stateless) < len(trainable):
-        missing = [f"{n!r} (no state at all: it never had a gradient in the FSDP2 job? fs keeps one step count for every leaf)" for n in stateless] + missing
+        why = "no state at all: it never had a gradient in the FSDP2 job? fs keeps one step count for every leaf"
+        missing = [f"{n!r} ({why})" for n in stateless] + missing
     if missing or mismatched or extra:
         parts = []
         if missing:
@@ -302,7 +321,10 @@ def _match_optimizer(
             parts.append(f"different: {_listing(mismatched)}")
         if extra:
             parts.append(f"state of parameters this state does not train: {_listing(extra)} (frozen here?)")
-        raise CheckpointError(f"{where} does not fit this state's optimizer (fs.optim.adamw over its trainable leaves): " + "; ".join(parts))
+        raise CheckpointError(
+            f"{where} does not fit this state's optimizer (fs.optim.adamw over its trainable leaves): "
+            + "; ".join(parts)
+        )
     return matched, steps
 
 
@@ -326,11 +348,14 @@ def _count(reader: DcpReader, steps: list[DcpTensor], where: str) -> int:
 # --- reading this rank's part ---------------------------------------------------------------------
 
 
-def _read_shard(reader: DcpReader, spec: BufferSpec, shard_index: int, tensor_of: Callable[[int], DcpTensor], dtype, device) -> torch.Tensor:
+def _read_shard(
+    reader: DcpReader, spec: BufferSpec, shard_index: int, tensor_of: Callable[[int], DcpTensor], dtype, device
+) -> torch.Tensor:
     """Shard `shard_index` of buffer `spec` (`[spec.shard_numel]`, padding zero) from the checkpoint."""
     out = torch.zeros(spec.shard_numel, dtype=dtype)
     for piece in shard_pieces(spec, shard_index):
-        out[piece.shard_offset : piece.shard_offset + piece.length] = reader.read_range(tensor_of(piece.leaf).key, piece.leaf_offset, piece.length)
+        part = reader.read_range(tensor_of(piece.leaf).key, piece.leaf_offset, piece.length)
+        out[piece.shard_offset : piece.shard_offset + piece.length] = part
     return out.to(device)
 
 
@@ -346,7 +371,10 @@ def _load_here(path: str, template: StepState, model_key, optim_key, rename, str
     found = _model_tensors(index, model_key, optim_key)
     if not found:
         top = _top_level(index)
-        suggestion = "pass model_key=None (a state dict saved as it is)" if model_key is not None else "pass model_key= the key it was saved under"
+        if model_key is not None:
+            suggestion = "pass model_key=None (a state dict saved as it is)"
+        else:
+            suggestion = "pass model_key= the key it was saved under"
         raise CheckpointError(f"{where} holds no model tensors under {model_key!r} (it holds {top}): {suggestion}")
     matched = _match_model(layout, sharded.local, found, rename, strict, where)
     opt_state, step = template.opt_state, template.step
@@ -355,7 +383,8 @@ def _load_here(path: str, template: StepState, model_key, optim_key, rename, str
         leaves, treedef, k = _adamw_of(template.opt_state)
         adam = leaves[k]
         state = _optimizer_tensors(index, optim_key)
-        if not state and not any(_path_of(index, key)[:1] == (optim_key,) or key.startswith(optim_key + ".") for key in [*index.tensors, *index.objects]):
+        keys = [*index.tensors, *index.objects]
+        if not state and not any(_path_of(index, k)[:1] == (optim_key,) or k.startswith(optim_key + ".") for k in keys):
             raise CheckpointError(
                 f"{where} holds no optimizer state under {optim_key!r} (it holds {_top_level(index)}): pass "
                 f"optim_key= the key it was saved under, or optim_key=None to load the model only"
@@ -366,7 +395,10 @@ def _load_here(path: str, template: StepState, model_key, optim_key, rename, str
             _read_shard(reader, spec, mesh.shard_index, matched.__getitem__, spec.dtype, _device(s))
             for spec, s in zip(layout.buffers, sharded.shards)
         ]
-        local = [reader.read(matched[i].key).to(_device(t)) if i in matched else t for i, t in zip(layout.local, sharded.local)]
+        local = [
+            reader.read(matched[i].key).to(_device(t)) if i in matched else t
+            for i, t in zip(layout.local, sharded.local)
+        ]
         if adam_parts is not None:
             leaves, treedef, k, adam, tensors, steps = adam_parts
             count = _count(reader, steps, where)
@@ -384,6 +416,7 @@ def _load_here(path: str, template: StepState, model_key, optim_key, rename, str
                     if spec.trainable
                 }
             leaves = list(leaves)
-            leaves[k] = adam._replace(count=torch.tensor(count, dtype=adam.count.dtype, device=_device(adam.count)), **moments)
+            new_count = torch.tensor(count, dtype=adam.count.dtype, device=_device(adam.count))
+            leaves[k] = adam._replace(count=new_count, **moments)
             opt_state, step = optree.tree_unflatten(treedef, leaves), count
     return template.replace(params=sharded.replace(shards=shards, local=local), opt_state=opt_state, step=step)

@@ -39,7 +39,7 @@ import torch
 
 from ._format import CheckpointError
 
-__all__ = ["METADATA", "DcpChunk", "DcpTensor", "DcpIndex", "read_metadata", "DcpReader", "data_file", "write_item", "metadata_bytes"]
+__all__ = ["METADATA", "DcpChunk", "DcpTensor", "DcpIndex", "read_metadata", "DcpReader"]
 
 METADATA = ".metadata"  # torch's `_metadata_fn`: written last by dcp.save, so its presence marks a complete save
 _FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")  # an item's file: a plain name in the directory
@@ -73,22 +73,25 @@ class DcpIndex(NamedTuple):
     directory: Path
     tensors: dict[str, DcpTensor]  # flattened key -> tensor
     objects: dict[str, tuple[str, int, int]]  # flattened key -> (file, offset, length) of a non-tensor value
-    paths: dict[str, tuple[str | int, ...]]  # flattened key -> its path in the nested state dict (planner_data; may be empty)
+    paths: dict[str, tuple[str | int, ...]]  # flattened key -> its path in the nested state dict (planner_data)
 
 
 # --- .metadata: a restricted unpickler ----------------------------------------------------------
 
 # The classes a DCP `.metadata` pickle names, with the fields each has (torch's dataclasses in
 # `torch.distributed.checkpoint.metadata` and `filesystem._StorageInfo`).
+_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 _RECORDS = {
-    ("torch.distributed.checkpoint.metadata", "Metadata"): ("state_dict_metadata", "planner_data", "storage_data", "storage_meta", "version"),
-    ("torch.distributed.checkpoint.metadata", "MetadataIndex"): ("fqn", "offset", "index"),
-    ("torch.distributed.checkpoint.metadata", "TensorStorageMetadata"): ("properties", "size", "chunks"),
-    ("torch.distributed.checkpoint.metadata", "BytesStorageMetadata"): (),
-    ("torch.distributed.checkpoint.metadata", "ChunkStorageMetadata"): ("offsets", "sizes"),
-    ("torch.distributed.checkpoint.metadata", "TensorProperties"): ("dtype", "layout", "requires_grad", "memory_format", "pin_memory"),
-    ("torch.distributed.checkpoint.metadata", "StorageMeta"): ("checkpoint_id", "save_id", "load_id", "modules"),
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): ("relative_path", "offset", "length", "transform_descriptors"),
+    (_METADATA_MODULE, "Metadata"): ("state_dict_metadata", "planner_data", "storage_data", "storage_meta", "version"),
+    (_METADATA_MODULE, "MetadataIndex"): ("fqn", "offset", "index"),
+    (_METADATA_MODULE, "TensorStorageMetadata"): ("properties", "size", "chunks"),
+    (_METADATA_MODULE, "BytesStorageMetadata"): (),
+    (_METADATA_MODULE, "ChunkStorageMetadata"): ("offsets", "sizes"),
+    (_METADATA_MODULE, "TensorProperties"): ("dtype", "layout", "requires_grad", "memory_format", "pin_memory"),
+    (_METADATA_MODULE, "StorageMeta"): ("checkpoint_id", "save_id", "load_id", "modules"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): (
+        "relative_path", "offset", "length", "transform_descriptors",
+    ),  # fmt: skip
 }
 
 
@@ -222,7 +225,9 @@ def _index(directory: Path, metadata: Any, allowed: dict[tuple[str, str], Any]) 
     for index, info in storage.items():
         fqn = index.get("fqn") if record(index, "MetadataIndex") else None
         if not isinstance(fqn, str) or not record(info, "_StorageInfo", "torch.distributed.checkpoint.filesystem"):
-            raise CheckpointError(f"{where} has a malformed storage entry ({type(index).__name__}: {type(info).__name__})")
+            raise CheckpointError(
+                f"{where} has a malformed storage entry ({type(index).__name__}: {type(info).__name__})"
+            )
         if info.get("transform_descriptors"):
             raise CheckpointError(
                 f"{where}: {fqn!r} is stored through stream transforms ({info.get('transform_descriptors')!r:.80}: an "
@@ -230,7 +235,9 @@ def _index(directory: Path, metadata: Any, allowed: dict[tuple[str, str], Any]) 
             )
         file = info.get("relative_path")
         if not isinstance(file, str) or not _FILE_NAME.fullmatch(file):
-            raise CheckpointError(f"{where} places {fqn!r} in {file!r:.80}, which is not a file name in the checkpoint's directory")
+            raise CheckpointError(
+                f"{where} places {fqn!r} in {file!r:.80}, which is not a file name in the checkpoint's directory"
+            )
         offset, length = _ints((info.get("offset"), info.get("length")), f"the byte range of {fqn!r}")
         at = index.get("offset")
         places[fqn, None if at is None else _ints(at, f"the offsets of {fqn!r}")] = (file, offset, length)
@@ -257,7 +264,8 @@ def _index(directory: Path, metadata: Any, allowed: dict[tuple[str, str], Any]) 
         for chunk in item.get("chunks"):
             if not record(chunk, "ChunkStorageMetadata"):
                 raise CheckpointError(f"{where}: a chunk of {key!r} is a {type(chunk).__name__}")
-            offsets, sizes = _ints(chunk.get("offsets"), f"a chunk of {key!r}"), _ints(chunk.get("sizes"), f"a chunk of {key!r}")
+            offsets = _ints(chunk.get("offsets"), f"a chunk of {key!r}")
+            sizes = _ints(chunk.get("sizes"), f"a chunk of {key!r}")
             place = places.get((key, offsets))
             if place is None:
                 raise CheckpointError(f"{where} does not say where the chunk of {key!r} at {list(offsets)} is stored")
@@ -274,21 +282,33 @@ def _index(directory: Path, metadata: Any, allowed: dict[tuple[str, str], Any]) 
 
 
 def _check_tiling(tensor: DcpTensor, where: Path) -> None:
-    """The chunks lie inside the tensor, do not overlap, and cover it."""
+    """The chunks lie inside the tensor, do not overlap, and hold as many elements as it: so
+    they cover it exactly. Overlaps are looked for among chunks whose first-dimension ranges
+    meet (a sweep), so FSDP2's row blocks cost O(n log n)."""
     ndim, total = len(tensor.shape), 0
     for chunk in tensor.chunks:
-        if len(chunk.offsets) != ndim or len(chunk.sizes) != ndim or any(
-            o + s > d for o, s, d in zip(chunk.offsets, chunk.sizes, tensor.shape)
-        ):
-            raise CheckpointError(f"{where}: a chunk of {tensor.key!r} ({list(chunk.offsets)}, {list(chunk.sizes)}) lies outside its shape {list(tensor.shape)}")
+        inside = all(o + s <= d for o, s, d in zip(chunk.offsets, chunk.sizes, tensor.shape))
+        if len(chunk.offsets) != ndim or len(chunk.sizes) != ndim or not inside:
+            raise CheckpointError(
+                f"{where}: a chunk of {tensor.key!r} (at {list(chunk.offsets)}, {list(chunk.sizes)}) lies outside "
+                f"its shape {list(tensor.shape)}"
+            )
         total += _numel(chunk.sizes)
-    boxes = [c for c in tensor.chunks if _numel(c.sizes)]
-    for i, a in enumerate(boxes):
-        for b in boxes[i + 1 :]:
-            if all(max(ao, bo) < min(ao + asz, bo + bsz) for ao, asz, bo, bsz in zip(a.offsets, a.sizes, b.offsets, b.sizes)):
-                raise CheckpointError(f"{where}: two chunks of {tensor.key!r} overlap (at {list(a.offsets)} and {list(b.offsets)})")
+    boxes = sorted((c for c in tensor.chunks if _numel(c.sizes)), key=lambda c: c.offsets)
+    active: list[DcpChunk] = []
+    for box in boxes:
+        start = box.offsets[0] if ndim else 0
+        active = [a for a in active if not ndim or a.offsets[0] + a.sizes[0] > start]
+        for a in active:
+            spans = zip(a.offsets, a.sizes, box.offsets, box.sizes)
+            if all(max(ao, bo) < min(ao + asz, bo + bsz) for ao, asz, bo, bsz in spans):
+                raise CheckpointError(
+                    f"{where}: two chunks of {tensor.key!r} overlap (at {list(a.offsets)} and {list(box.offsets)})"
+                )
+        active.append(box)
     if total != _numel(tensor.shape):
-        raise CheckpointError(f"{where}: the chunks of {tensor.key!r} cover {total} of its {_numel(tensor.shape)} elements")
+        numel = _numel(tensor.shape)
+        raise CheckpointError(f"{where}: the chunks of {tensor.key!r} hold {total} of its {numel} elements")
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -326,12 +346,14 @@ class DcpReader:
             try:
                 self._files[file] = open(self.index.directory / file, "rb")
             except OSError as error:
-                raise CheckpointError(f"{self.index.directory / file} (which holds {key!r}) cannot be read: {error}") from None
+                where = self.index.directory / file
+                raise CheckpointError(f"{where} (which holds {key!r}) cannot be read: {error}") from None
         f = self._files[file]
         f.seek(offset)
         data = f.read(length)
         if len(data) != length:
-            raise CheckpointError(f"{self.index.directory / file} is truncated: {key!r} needs bytes [{offset}, {offset + length})")
+            where = self.index.directory / file
+            raise CheckpointError(f"{where} is truncated: {key!r} needs bytes [{offset}, {offset + length})")
         self.bytes_read += length
         return data
 
@@ -351,7 +373,10 @@ class DcpReader:
             return self._last[1]
         value = self._load(self._bytes(chunk.file, chunk.offset, chunk.length, tensor.key), tensor.key, chunk.file)
         if not isinstance(value, torch.Tensor) or value.dtype != tensor.dtype or tuple(value.shape) != chunk.sizes:
-            got = f"{str(value.dtype).removeprefix('torch.')}{list(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+            if isinstance(value, torch.Tensor):
+                got = f"{str(value.dtype).removeprefix('torch.')}{list(value.shape)}"
+            else:
+                got = f"a {type(value).__name__}"
             raise CheckpointError(
                 f"the chunk of {tensor.key!r} at {list(chunk.offsets)} in {chunk.file} holds {got}, not the "
                 f"{str(tensor.dtype).removeprefix('torch.')}{list(chunk.sizes)} its metadata declares"
@@ -395,60 +420,3 @@ class DcpReader:
         `torch.load(weights_only=True)`: plain Python values only."""
         file, offset, length = self.index.objects[key]
         return self._load(self._bytes(file, offset, length, key), key, file)
-
-
-# --- writing --------------------------------------------------------------------------------------
-
-
-def data_file(rank: int) -> str:
-    """The data file of `rank`, named as torch's FileSystemWriter names it."""
-    return f"__{rank}_0.distcp"
-
-
-def write_item(f, value: Any) -> tuple[int, int]:
-    """Append `torch.save(value)` to the open file `f`; returns its (offset, length)."""
-    offset = f.tell()
-    torch.save(value, f)
-    return offset, f.tell() - offset
-
-
-class PlannedTensor(NamedTuple):
-    """A tensor as `metadata_bytes` records it."""
-
-    key: str  # flattened key
-    path: tuple[str | int, ...]  # its path in the nested state dict
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    chunks: list[tuple[tuple[int, ...], tuple[int, ...], str, int, int]]  # (offsets, sizes, file, offset, length)
-
-
-def metadata_bytes(tensors: list[PlannedTensor], objects: list[tuple[str, tuple, str, int, int]]) -> bytes:
-    """The `.metadata` pickle that `dcp.load` reads, for these tensors and objects
-    (`(key, path, file, offset, length)`), built from torch's own metadata classes."""
-    from torch.distributed.checkpoint import filesystem
-    from torch.distributed.checkpoint.metadata import (
-        BytesStorageMetadata,
-        ChunkStorageMetadata,
-        Metadata,
-        MetadataIndex,
-        StorageMeta,
-        TensorProperties,
-        TensorStorageMetadata,
-    )
-
-    state_dict_metadata: dict[str, Any] = {}
-    storage: dict[Any, Any] = {}
-    planner: dict[str, tuple] = {}
-    for t in tensors:
-        chunks = []
-        for offsets, sizes, file, offset, length in t.chunks:
-            chunks.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)))
-            storage[MetadataIndex(t.key, offsets, len(chunks) - 1)] = filesystem._StorageInfo(file, offset, length)
-        state_dict_metadata[t.key] = TensorStorageMetadata(TensorProperties(dtype=t.dtype), torch.Size(t.shape), chunks)
-        planner[t.key] = t.path
-    for key, path, file, offset, length in objects:
-        state_dict_metadata[key] = BytesStorageMetadata()
-        storage[MetadataIndex(key)] = filesystem._StorageInfo(file, offset, length)
-        planner[key] = path
-    metadata = Metadata(state_dict_metadata, planner_data=planner, storage_data=storage, storage_meta=StorageMeta(), version=filesystem.CURRENT_DCP_VERSION)
-    return pickle.dumps(metadata)

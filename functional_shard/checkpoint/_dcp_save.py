@@ -20,6 +20,7 @@ classes, that `dcp.load` reads) once every rank's file is on disk, all in
 from __future__ import annotations
 
 import os
+import pickle
 import secrets
 import shutil
 from pathlib import Path
@@ -33,8 +34,7 @@ from .._mesh import BaseMesh, _coordinates
 from .._shard import _check_shards
 from .._step import StepState, check_not_donated
 from ._dcp import ADAMW_STATE, _adamw_of
-from ._dcp_files import METADATA, PlannedTensor, data_file, metadata_bytes, write_item
-from ._files import fsync_dir, write_bytes
+from ._dcp_files import METADATA
 from ._format import CheckpointError, shard_pieces
 from ._full import flat_range_slices
 
@@ -85,7 +85,8 @@ def save_dcp(
     layout, mesh = state.params.layout, state.params.mesh
     mesh.agree(OPERATION)
     path = Path(os.path.abspath(path))
-    mesh.check_same("the DCP checkpoint's path and contents", f"{path}|{layout.signature()}|{model_key}|{optim_key}")
+    contents = f"{path}|{layout.signature()}|{model_key}|{optim_key}|{param_groups!r}"
+    mesh.check_same("the DCP checkpoint's path and contents", contents)
     adam = None
     if optim_key is not None:
         leaves, _, k = _adamw_of(state.opt_state)
@@ -111,12 +112,15 @@ def save_dcp(
     if error is not None:
         raise error
     if code == -1:
-        raise CheckpointError(f"rank 0 could not start the DCP checkpoint at {path} (see its error); nothing was written")
+        raise CheckpointError(
+            f"rank 0 could not start the DCP checkpoint at {path} (see its error); nothing was written"
+        )
     tmp = _partial(path, code)
     lengths: list[int] = []
     try:
         if mine or (mesh.rank == 0 and groups):
-            lengths = _write_file(tmp / data_file(mesh.rank), [_value(state, adam, item) for item in mine] + [value for _, _, value in groups])
+            values = [_value(state, adam, item) for item in mine] + [value for _, _, value in groups]
+            lengths = _write_file(tmp / data_file(mesh.rank), values)
     except Exception as e:  # noqa: BLE001
         error = e
     most = max(len(items) for items in plan.values()) + len(groups)
@@ -129,7 +133,7 @@ def save_dcp(
     if not failed and mesh.rank == 0:
         try:
             sizes = {rank: everyone[rank, 1:].tolist() for rank in plan}
-            write_bytes(tmp / METADATA, _metadata(layout, adam, plan, sizes, groups, model_key, optim_key))
+            write_durably(tmp / METADATA, _metadata(layout, adam, plan, sizes, groups, model_key, optim_key))
             fsync_dir(tmp)
             _commit(tmp, path, overwrite, code)
             committed = 1
@@ -141,7 +145,9 @@ def save_dcp(
     if error is not None:
         raise error
     if failed:
-        raise CheckpointError(f"ranks {failed} could not write their part of {path} (see their errors); nothing was saved")
+        raise CheckpointError(
+            f"ranks {failed} could not write their part of {path} (see their errors); nothing was saved"
+        )
     if not committed:
         raise CheckpointError(f"rank 0 could not complete {path} (see its error); nothing was saved")
 
@@ -207,7 +213,8 @@ def _value(state: StepState, adam: Any, item: _Item) -> torch.Tensor:
         return torch.empty(item.sizes, dtype=dtype)
     spec = layout.buffers[item.buffer]
     shard = state.params.shards[item.buffer] if item.source == "params" else getattr(adam, item.source)[spec.name]
-    return shard.detach()[item.shard_offset : item.shard_offset + _numel(item.sizes)].to("cpu", copy=True).view(item.sizes)
+    part = shard.detach()[item.shard_offset : item.shard_offset + _numel(item.sizes)]
+    return part.to("cpu", copy=True).view(item.sizes)
 
 
 def _moment_dtype(layout: Layout, adam: Any, item: _Item) -> torch.dtype:
@@ -217,9 +224,8 @@ def _moment_dtype(layout: Layout, adam: Any, item: _Item) -> torch.dtype:
 
 def _write_file(file: Path, values: list[Any]) -> list[int]:
     """Write `torch.save` of each value back to back into a new `file`; their byte lengths."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
     lengths = []
-    with os.fdopen(os.open(file, flags, 0o666), "wb") as f:
+    with create_new(file) as f:
         for value in values:
             lengths.append(write_item(f, value)[1])
         f.flush()
@@ -227,7 +233,9 @@ def _write_file(file: Path, values: list[Any]) -> list[int]:
     return lengths
 
 
-def _param_groups(groups: Sequence[Mapping[str, Any]] | None, layout: Layout, optim_key: str) -> list[tuple[str, tuple, Any]]:
+def _param_groups(
+    groups: Sequence[Mapping[str, Any]] | None, layout: Layout, optim_key: str
+) -> list[tuple[str, tuple, Any]]:
     """(flattened key, path, value) for every field of every group; checked."""
     if groups is None:
         return []
@@ -240,16 +248,20 @@ def _param_groups(groups: Sequence[Mapping[str, Any]] | None, layout: Layout, op
         group = dict(group)
         if "params" not in group:
             if len(groups) > 1:
-                raise ValueError(f"param_groups[{g}] has no 'params': with several groups, each must name its parameters")
+                raise ValueError(
+                    f"param_groups[{g}] has no 'params': with several groups, each must name its parameters"
+                )
             group["params"] = trainable
         unknown = [p for p in group["params"] if p not in trainable]
         if unknown:
-            raise ValueError(f"param_groups[{g}]['params'] names {unknown[:3]}, which are not trainable leaves of this state")
+            raise ValueError(
+                f"param_groups[{g}]['params'] names {unknown[:3]}, which are not trainable leaves of this state"
+            )
         for field, value in group.items():
             if not _plain(value):
                 raise ValueError(
-                    f"param_groups[{g}][{field!r}] is a {type(value).__name__}: only plain values (numbers, bools, strings, "
-                    f"None, tuples and lists of them) are written"
+                    f"param_groups[{g}][{field!r}] is a {type(value).__name__}: only plain values (numbers, bools, "
+                    f"strings, None, tuples and lists of them) are written"
                 )
             out.append((f"{optim_key}.param_groups.{g}.{field}", (optim_key, "param_groups", g, str(field)), value))
     return out
@@ -268,7 +280,8 @@ def _metadata(layout, adam, plan, sizes, groups, model_key, optim_key) -> bytes:
     for rank, items in plan.items():
         offset = 0
         for item, length in zip(items, sizes[rank]):
-            where.setdefault((item.leaf, item.source), []).append((item.offsets, item.sizes, data_file(rank), offset, length))
+            chunk = (item.offsets, item.sizes, data_file(rank), offset, length)
+            where.setdefault((item.leaf, item.source), []).append(chunk)
             offset += length
         if rank == 0:
             for (key, path, _), length in zip(groups, sizes[0][len(items) :]):
@@ -290,9 +303,8 @@ def _metadata(layout, adam, plan, sizes, groups, model_key, optim_key) -> bytes:
                             f"{optim_key}.state.{fqn}.{source}", (optim_key, "state", fqn, source),
                             tuple(layout.shapes[i]), getattr(adam, source)[spec.name].dtype, where[i, source],
                         ))  # fmt: skip
-                    tensors.append(PlannedTensor(
-                        f"{optim_key}.state.{fqn}.step", (optim_key, "state", fqn, "step"), (), adam.count.dtype, where[-1, "count"]
-                    ))  # fmt: skip
+                    key, path = f"{optim_key}.state.{fqn}.step", (optim_key, "state", fqn, "step")
+                    tensors.append(PlannedTensor(key, path, (), adam.count.dtype, where[-1, "count"]))
     return metadata_bytes(tensors, objects)
 
 
@@ -329,3 +341,90 @@ def _numel(shape: tuple[int, ...]) -> int:
     for d in shape:
         n *= d
     return n
+
+
+# --- the files --------------------------------------------------------------------------------------
+
+
+def data_file(rank: int) -> str:
+    """The data file of `rank`, named as torch's FileSystemWriter names it."""
+    return f"__{rank}_0.distcp"
+
+
+def create_new(path: Path):
+    """A new file at `path`, open for binary writing: never a file or link that was there
+    (`O_EXCL | O_NOFOLLOW`)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    return os.fdopen(os.open(path, flags, 0o666), "wb")
+
+
+def write_durably(path: Path, data: bytes) -> None:
+    """Write `data` as the new file `path`, fsynced."""
+    with create_new(path) as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def fsync_dir(path: Path) -> None:
+    """Make the entries of directory `path` (a rename into it) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_item(f, value: Any) -> tuple[int, int]:
+    """Append `torch.save(value)` to the open file `f`; returns its (offset, length)."""
+    offset = f.tell()
+    torch.save(value, f)
+    return offset, f.tell() - offset
+
+
+class PlannedTensor(NamedTuple):
+    """A tensor as `metadata_bytes` records it."""
+
+    key: str  # flattened key
+    path: tuple[str | int, ...]  # its path in the nested state dict
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    chunks: list[tuple[tuple[int, ...], tuple[int, ...], str, int, int]]  # (offsets, sizes, file, offset, length)
+
+
+def metadata_bytes(tensors: list[PlannedTensor], objects: list[tuple[str, tuple, str, int, int]]) -> bytes:
+    """The `.metadata` pickle that `dcp.load` reads, for these tensors and objects
+    (`(key, path, file, offset, length)`), built from torch's own metadata classes."""
+    from torch.distributed.checkpoint import filesystem
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        StorageMeta,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    state_dict_metadata: dict[str, Any] = {}
+    storage: dict[Any, Any] = {}
+    planner: dict[str, tuple] = {}
+    for t in tensors:
+        chunks = []
+        for offsets, sizes, file, offset, length in t.chunks:
+            chunks.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)))
+            storage[MetadataIndex(t.key, offsets, len(chunks) - 1)] = filesystem._StorageInfo(file, offset, length)
+        state_dict_metadata[t.key] = TensorStorageMetadata(TensorProperties(dtype=t.dtype), torch.Size(t.shape), chunks)
+        planner[t.key] = t.path
+    for key, path, file, offset, length in objects:
+        state_dict_metadata[key] = BytesStorageMetadata()
+        storage[MetadataIndex(key)] = filesystem._StorageInfo(file, offset, length)
+        planner[key] = path
+    metadata = Metadata(
+        state_dict_metadata,
+        planner_data=planner,
+        storage_data=storage,
+        storage_meta=StorageMeta(),
+        version=filesystem.CURRENT_DCP_VERSION,
+    )
+    return pickle.dumps(metadata)
