@@ -176,10 +176,13 @@ def _payload(main: Callable[..., Any], args: tuple, kwargs: dict) -> bytes:
 
 
 def _main_of_rank(payload: bytes) -> Any:
-    # The pool starts its ranks as daemons, and a daemon may not start processes: a `main` could
-    # not iterate a DataLoader with workers, as it can under torchrun. Its workers watch their
-    # parent and end with it.
+    # Let `main` start processes as it would under torchrun (a DataLoader's workers): the pool
+    # starts its ranks as daemons, which may not have children, and as spawned processes, whose
+    # children are spawned too (each worker would import torch and the script again: seconds per
+    # worker and epoch); this platform's default start method instead. DataLoader workers watch
+    # their parent and end with it.
     multiprocessing.current_process().daemon = False
+    multiprocessing.set_start_method(None, force=True)
     main, args, kwargs = _loads(payload)
     result = main(*args, **kwargs)
     # Only rank 0's result is wanted; the others' need not even be picklable.

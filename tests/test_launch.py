@@ -5,6 +5,7 @@ the rank that failed first. Functions run in ranks are module-level (pickled by 
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import random
 import signal
@@ -233,15 +234,22 @@ def test_under_torchrun_a_rank_that_raises_ends_the_run(tmp_path):
     assert time.monotonic() - started < 60  # torchrun stopped rank 0; nothing waited for a collective timeout
 
 
-def iterates_a_dataloader_with_workers() -> list[list[int]]:
+def iterates_a_dataloader_with_workers() -> tuple[list[list[int]], str]:
+    import multiprocessing
+
     from torch.utils.data import DataLoader, TensorDataset
 
-    return [batch[0].tolist() for batch in DataLoader(TensorDataset(torch.arange(10)), batch_size=5, num_workers=2)]
+    batches = [batch[0].tolist() for batch in DataLoader(TensorDataset(torch.arange(10)), batch_size=5, num_workers=2)]
+    return batches, multiprocessing.get_start_method()
 
 
 def test_a_launched_rank_may_start_dataloader_workers():
-    # As under torchrun: the pool starts its ranks as daemons, which may not have children.
-    assert fs.launch(iterates_a_dataloader_with_workers, world_size=1) == [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]
+    # As under torchrun. The pool starts its ranks as daemons, which may not have children, and
+    # spawned, whose children would be spawned too (each worker importing torch and the script
+    # again: 30 s for two workers on this machine under load, 0.4 s forked).
+    batches, start_method = fs.launch(iterates_a_dataloader_with_workers, world_size=1)
+    assert batches == [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]
+    assert start_method == multiprocessing.get_context().get_start_method()  # this platform's default
 
 
 # --- a pool of ranks -----------------------------------------------------------------------------
