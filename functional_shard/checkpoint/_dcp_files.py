@@ -118,9 +118,15 @@ class _Record:
         return self.__dict__.get(name)
 
 
+def _torch_constants() -> dict[str, Any]:
+    """torch's dtypes and layouts by name, read from the module's own dictionary (a `getattr` on
+    `torch` may import a submodule)."""
+    return {name: v for name, v in vars(torch).items() if isinstance(v, (torch.dtype, torch.layout))}
+
+
 def _layout_by_name(name: Any) -> torch.layout:
     """Stands in for `torch.serialization._get_layout` (how a `torch.layout` pickles): a lookup."""
-    value = getattr(torch, name.removeprefix("torch."), None) if isinstance(name, str) else None
+    value = _torch_constants().get(name.removeprefix("torch.")) if isinstance(name, str) else None
     if not isinstance(value, torch.layout):
         raise pickle.UnpicklingError(f"unknown torch layout {name!r:.40}")
     return value
@@ -149,15 +155,14 @@ class _MetadataUnpickler(pickle.Unpickler):
     def __init__(self, file, allowed: dict[tuple[str, str], Any]):
         super().__init__(file)
         self.allowed = allowed
+        self.constants = _torch_constants()
 
     def find_class(self, module: str, name: str) -> Any:
         found = self.allowed.get((module, name))
         if found is not None:
             return found
-        if module == "torch":
-            value = getattr(torch, name, None) if name.isidentifier() else None
-            if isinstance(value, (torch.dtype, torch.layout)):
-                return value
+        if module == "torch" and name in self.constants:
+            return self.constants[name]
         raise pickle.UnpicklingError(f"refused global {module}.{name}")
 
     def persistent_load(self, pid: Any) -> Any:
