@@ -9,6 +9,7 @@
 
 from . import analysis as analysis
 from . import optim as optim
+from . import precision as precision
 from . import checkpoint as checkpoint
 from . import data as data
 from . import initialize as initialize
@@ -108,6 +109,7 @@ __all__ = [
     "launch",
     "make_layout",
     "optim",
+    "precision",
     "pytree_dataclass",
     "reduce_scatter",
     "schedule",
