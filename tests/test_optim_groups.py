@@ -697,3 +697,15 @@ def test_step_init_names_a_rule_that_matches_no_leaf():
     message = fs.testing.SimulatedWorld(1).run(init_error_on_rank)[0]
     assert "rule 'encoder.*' of groups[1]" in message and "matches no leaf the optimizer updates" in message
     assert "input_proj.weight" in message
+
+
+def test_chain_passes_the_leaf_layout_to_a_grouped_optimizer():
+    groups = fs_groups(CASES["all"])
+    opt = optim.chain(optim.clip_by_global_norm(1e9), optim.adamw(0.01, weight_decay=0.1, groups=groups))
+    leaves, _ = flat_layout()
+    tree, flat = init_tensors(), to_flat(init_tensors())
+    s_tree, s_flat = opt.init(tree), opt.init(flat, leaves=leaves)
+    for i in range(10):
+        tree, s_tree = opt.update(grads_at(i), s_tree, tree)
+        flat, s_flat = opt.update(to_flat(grads_at(i)), s_flat, flat, leaves=leaves)
+    assert not same_bits(from_flat(flat), tree)
