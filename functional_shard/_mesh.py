@@ -23,6 +23,7 @@ from typing import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn.functional  # noqa: F401 - see below
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ._agreement import Agreement, digest as _digest, stop_heartbeats
@@ -33,6 +34,10 @@ from ._tracing import record
 __all__ = ["BaseMesh", "Mesh", "init_mesh", "shutdown", "MeshError", "PeerError"]
 
 _C10D = torch.ops._c10d_functional
+# `torch.distributed.nn.functional` is imported above, before any process group exists: its
+# functions' defaults (`group=group.WORLD`) are evaluated when it is first imported, which a
+# `torch.func.grad` through a collective does, and would keep that default group (its gloo
+# threads and listening socket) alive after `destroy_process_group()`, to interpreter shutdown.
 
 # The collective operations of the library, by the names `BaseMesh.agree` reports.
 OPERATIONS = (
@@ -324,6 +329,24 @@ class Mesh(BaseMesh):
         record("all_gather")
         return _C10D.wait_tensor(_C10D.all_gather_into_tensor(x, self.world_size, self._world_group_name))
 
+    # Collectives over one named axis (tensor parallelism: fs.tensor_parallel moves a tensor
+    # dimension onto dimension 0 around them). Flat, contiguous 1-D tensors, as above.
+    def all_gather_axis_flat(self, x: torch.Tensor, axis: str) -> torch.Tensor:
+        """[n] on every rank -> [size * n]: the pieces of the ranks along `axis`, in axis order."""
+        record("all_gather")
+        return _C10D.wait_tensor(_C10D.all_gather_into_tensor(x, self.shape[axis], self._gather_group_names[axis]))
+
+    def reduce_scatter_axis_flat(self, x: torch.Tensor, axis: str) -> torch.Tensor:
+        """[size * n] -> [n]: the sum over the ranks along `axis`; this rank keeps slice
+        `coordinates[axis]`. On gloo an all-to-all plus a rank-order sum, as `reduce_scatter_flat`."""
+        size, group = self.shape[axis], self._reduce_group_names[axis]
+        record("reduce_scatter")
+        if not self._gloo:
+            return _C10D.wait_tensor(_C10D.reduce_scatter_tensor(x, "sum", size, group))
+        splits = [x.numel() // size] * size
+        parts = _C10D.wait_tensor(_C10D.all_to_all_single(x, splits, splits, group))
+        return parts if size == 1 else parts.view(size, -1).sum(0)
+
     def agree(self, operation: str, value: int = 0) -> list[int]:
         """`BaseMesh.agree`, kept on the rendezvous store before any collective (`_agreement`):
         ranks in different operations, a rank that issued a collective of its own (say one
@@ -458,7 +481,8 @@ def shutdown(*, barrier: bool = True) -> None:
             agreement = Agreement.of_world(heartbeat=False)
             if agreement is not None:
                 world = dist.group.WORLD
-                agreement.enter("fs.shutdown", 0, 0, lambda x: _gather_world(x, world), "world of the default process group")
+                where = "world of the default process group"
+                agreement.enter("fs.shutdown", 0, 0, lambda x: _gather_world(x, world), where)
             dist.barrier()
     finally:
         stop_heartbeats()

@@ -77,6 +77,13 @@ class SimulatedMesh(BaseMesh):
     def all_gather_world(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat(self._rendezvous.exchange(self.rank, x))
 
+    def all_gather_axis_flat(self, x: torch.Tensor, axis: str) -> torch.Tensor:
+        return torch.cat(self._exchange(x, (axis,)))
+
+    def reduce_scatter_axis_flat(self, x: torch.Tensor, axis: str) -> torch.Tensor:
+        total = _ordered_sum(self._exchange(x, (axis,)))
+        return total.chunk(self.shape[axis])[self.coordinates[axis]].clone()
+
 
 
 def _ordered_sum(tensors: list[torch.Tensor]) -> torch.Tensor:
