@@ -8,9 +8,14 @@ or under torchrun, which starts the processes itself::
 
     torchrun --nproc-per-node 2 examples/train_gpt.py
 
-Every rank builds the same initial model (same seed), draws its own batches
-(seed + rank) from the corpus shipped in ``functional_shard.data``, and takes
-sharded AdamW steps. At the end rank 0 loads the exported weights back into the
+Every rank builds the same initial model (same seed) and takes sharded AdamW steps
+on its part of each global batch of windows of the corpus shipped in
+``functional_shard.data`` (``fs.data.DataParallelSampler``: every window once per
+epoch across the ranks, the same samples per step at any world size). AdamW leaves
+biases and LayerNorm weights out of weight decay (``fs.optim.group``) and follows a
+warmup + cosine learning-rate schedule (``fs.optim.warmup_cosine_schedule``).
+``fs.launch`` runs the script under ``python`` (spawning the ranks) and under torchrun
+(one rank per process) alike. At the end rank 0 loads the exported weights back into the
 ``nn.Module`` and prints a sample of generated text, a summary (time, peak memory per
 rank, bytes moved per step) and where it wrote the loss curve (``--out``, default
 ``results/train_gpt/loss.png``).
@@ -22,14 +27,14 @@ import argparse
 import os
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 import functional_shard as fs
-from functional_shard.data import CharTokenizer, batches, load_text
+from functional_shard.data import CharTokenizer, load_text
 from functional_shard.models import GPT, GPTConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -38,8 +43,6 @@ from _common import (  # the examples' own helpers, beside this file
     Progress,
     Timer,
     gather_from_ranks,
-    launched_by_torchrun,
-    limit_threads,
     peak_rss_mib,
     plot_losses,
     summary,
@@ -50,10 +53,11 @@ from _common import (  # the examples' own helpers, beside this file
 class TrainConfig:
     """Hyperparameters of one run; identical on every rank."""
 
-    world_size: int = 2
+    world_size: int = 2  # under torchrun, torchrun's
     steps: int = 300
     batch_size: int = 16  # per rank
     lr: float = 3e-3
+    warmup_steps: int = 30
     weight_decay: float = 0.1
     seed: int = 0
     block_size: int = 64
@@ -67,8 +71,8 @@ class TrainConfig:
 def main(config: TrainConfig) -> dict[str, float | str]:
     """Train on this rank; returns ``first_loss``, ``final_loss`` (means over ranks) and, on rank 0,
     ``sample``, ``summary`` and ``plot``."""
-    limit_threads()
-    mesh = fs.init_mesh({"fsdp": config.world_size})
+    # fs.launch sets WORLD_SIZE in the ranks it spawns; torchrun sets it in its own.
+    mesh = fs.init_mesh({"fsdp": int(os.environ["WORLD_SIZE"])})
 
     text = load_text()
     tokenizer = CharTokenizer.from_text(text)
@@ -91,20 +95,33 @@ def main(config: TrainConfig) -> dict[str, float | str]:
         logits = apply_fn(params, inputs)
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
-    # donate=True: each step updates the state's shards in place (the old state is used up).
-    step = fs.sharded_step(
-        loss_fn, mesh, optimizer=fs.optim.adamw(lr=config.lr, weight_decay=config.weight_decay), donate=True
+    # Warmup then cosine decay; no weight decay on biases and LayerNorm weights (as nanoGPT and
+    # Hugging Face's Trainer do).
+    optimizer = fs.optim.adamw(
+        fs.optim.warmup_cosine_schedule(
+            config.lr, warmup_steps=min(config.warmup_steps, config.steps // 10 + 1), steps=config.steps + 1
+        ),
+        weight_decay=config.weight_decay,
+        groups=[fs.optim.group("*.bias", "*ln*.weight", weight_decay=0.0)],
     )
+    # donate=True: each step updates the state's shards in place (the old state is used up).
+    step = fs.sharded_step(loss_fn, mesh, optimizer=optimizer, donate=True)
     state = step.init(params)
 
-    # A different stream per rank, so the ranks together see world_size times as much data per step.
-    generator = torch.Generator().manual_seed(config.seed + mesh.rank)
+    # Each step's global batch of windows (batch_size per rank) is cut among the data-parallel
+    # ranks; start_step=state.step would resume mid-epoch after fs.checkpoint.load.
+    windows = tokens.numel() - config.block_size  # window i: tokens[i : i + block_size + 1]
+    sampler = fs.data.DataParallelSampler(
+        windows, mesh, batch_size=config.batch_size * mesh.world_size, seed=config.seed, start_step=state.step
+    )
+    offsets = torch.arange(config.block_size)
     history = History()
-    tokens_per_step = config.batch_size * config.block_size * config.world_size
+    tokens_per_step = config.batch_size * config.block_size * mesh.world_size
     progress = Progress(config.steps, rank=mesh.rank)
     began = time.perf_counter()
     for n in range(config.steps):
-        batch = batches(tokens, config.batch_size, config.block_size, generator=generator)
+        starts = torch.tensor(sampler.indices(n))[:, None] + offsets
+        batch = (tokens[starts], tokens[starts + 1])
         with Timer() as timer:
             state, metrics = step(state, batch)
             loss = float(metrics["loss"])  # the mean over ranks
@@ -129,7 +146,7 @@ def main(config: TrainConfig) -> dict[str, float | str]:
             step_seconds=history.step_seconds,
             history=history,
         )
-        title = f"GPT ({config.n_layer} layers, d={config.d_model}) on {config.world_size} ranks, fs.sharded_step"
+        title = f"GPT ({config.n_layer} layers, d={config.d_model}) on {mesh.world_size} ranks, fs.sharded_step"
         result["plot"] = str(plot_losses(Path(config.out) / "loss.png", history, title=title))
         model.load_state_dict(exported)
         model.eval()
@@ -167,15 +184,8 @@ def report(result: dict[str, float | str]) -> None:
 
 if __name__ == "__main__":
     config = parse_args()
-    if launched_by_torchrun():
-        # torchrun started this process as one rank: run it here, the world size is torchrun's.
-        config = replace(config, world_size=int(os.environ["WORLD_SIZE"]))
-        fs.keep_freed_memory()  # what fs.launch does in the ranks it starts
-        result = main(config)
-        # fs.launch tears the process group down itself; under torchrun that is the script's job
-        # (a barrier first, so that no rank exits while another's last collective is in flight).
-        fs.shutdown()
-        if int(os.environ["RANK"]) == 0:
-            report(result)
-    else:
-        report(fs.launch(main, world_size=config.world_size, args=(config,)))
+    # Spawns config.world_size local ranks; under torchrun, runs main in this rank. Either way
+    # it returns rank 0's result (None on torchrun's other ranks) and shuts the mesh down.
+    result = fs.launch(main, world_size=config.world_size, args=(config,))
+    if result is not None:
+        report(result)

@@ -46,8 +46,6 @@ from _common import (  # the examples' own helpers, beside this file
     Progress,
     Timer,
     gather_from_ranks,
-    launched_by_torchrun,
-    limit_threads,
     peak_rss_mib,
     plot_losses,
     summary,
@@ -165,7 +163,8 @@ def make_schedule(config: TrainConfig) -> fs.Schedule:
 
 def main(config: TrainConfig) -> dict:
     """Train on this rank; rank 0 returns the losses, the summary and where it wrote its files."""
-    limit_threads()
+    # fs.launch sets WORLD_SIZE in the ranks it spawns; torchrun sets it in its own.
+    config = replace(config, world_size=int(os.environ["WORLD_SIZE"]))
     mesh = fs.init_mesh({"fsdp": config.world_size})
     rank = mesh.rank
     out = Path(config.out)
@@ -185,7 +184,14 @@ def main(config: TrainConfig) -> dict:
         # or micro-batch with no tokens adds 0 (a mean would be 0 / 0).
         return fs.WeightedLoss(total, (labels != IGNORE).sum(), summed=True)
 
-    optimizer = fs.optim.adamw(lr=config.lr, weight_decay=config.weight_decay)
+    # Warmup then cosine decay over the run; no weight decay on the RMSNorm weights (Llama has no biases).
+    optimizer = fs.optim.adamw(
+        fs.optim.warmup_cosine_schedule(
+            config.lr, warmup_steps=max(1, config.steps // 10), steps=config.steps, min_lr=config.lr / 10
+        ),
+        weight_decay=config.weight_decay,
+        groups=[fs.optim.group("*norm.weight", weight_decay=0.0)],
+    )
     if config.clip > 0:
         optimizer = fs.optim.chain(fs.optim.clip_by_global_norm(config.clip), optimizer)
     precision = None
@@ -352,13 +358,8 @@ def report(result: dict) -> None:
 
 if __name__ == "__main__":
     config = parse_args()
-    if launched_by_torchrun():
-        # torchrun started this process as one rank: the world size is torchrun's.
-        config = replace(config, world_size=int(os.environ["WORLD_SIZE"]))
-        fs.keep_freed_memory()  # what fs.launch does in the ranks it starts
-        result = main(config)
-        fs.shutdown()  # a barrier, then destroy_process_group (fs.launch does this itself)
-        if int(os.environ["RANK"]) == 0:
-            report(result)
-    else:
-        report(fs.launch(main, world_size=config.world_size, args=(config,)))
+    # Spawns config.world_size local ranks; under torchrun, runs main in this rank. Either way
+    # it returns rank 0's result (None on torchrun's other ranks) and shuts the mesh down.
+    result = fs.launch(main, world_size=config.world_size, args=(config,))
+    if result is not None:
+        report(result)
