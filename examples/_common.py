@@ -19,18 +19,6 @@ import torch
 import torch.distributed as dist
 
 
-def launched_by_torchrun() -> bool:
-    """Whether this process is one rank that torchrun (or another launcher) started."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
-
-
-def limit_threads() -> None:
-    """One thread per rank when several ranks share this machine's cores (torchrun does not
-    divide them; `fs.launch` already does): more would only contend."""
-    if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > 1:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
-
-
 class Progress:
     """A tqdm bar on rank 0 (nothing on the others): loss, tokens/s and step time per step.
 
