@@ -79,7 +79,8 @@ class Entry(NamedTuple):
     def decode(cls, text: str | bytes) -> "Entry | None":
         try:
             fields = json.loads(text)
-            return cls(str(fields["operation"]), int(fields["value"]), int(fields["call"]), int(fields["count"]), dict(fields["collectives"]))
+            operation, value, call, count = fields["operation"], fields["value"], fields["call"], fields["count"]
+            return cls(str(operation), int(value), int(call), int(count), dict(fields["collectives"]))
         except (ValueError, KeyError, TypeError):
             return None
 
@@ -134,7 +135,9 @@ class Agreement:
             can tell what this one does while they wait for it.
     """
 
-    def __init__(self, store, rank: int, world_size: int, groups: Sequence[Any], timeout: float, heartbeat: bool = True):
+    def __init__(
+        self, store, rank: int, world_size: int, groups: Sequence[Any], timeout: float, heartbeat: bool = True
+    ):
         self._store = store
         self.rank = rank
         self.world_size = world_size
@@ -144,7 +147,9 @@ class Agreement:
             Heartbeat.ensure(store, rank, groups[0], self._groups)
 
     @classmethod
-    def of_world(cls, groups: Sequence[Any] = (), timeout: float | None = None, heartbeat: bool = True) -> "Agreement | None":
+    def of_world(
+        cls, groups: Sequence[Any] = (), timeout: float | None = None, heartbeat: bool = True
+    ) -> "Agreement | None":
         """The agreement of the default process group's world (None for a world of one, or a
         default group without a store). `groups`: more process groups to count collectives on."""
         if not dist.is_initialized() or dist.get_world_size() == 1:
@@ -157,7 +162,9 @@ class Agreement:
         groups = [world, *(g for g in groups if g.group_name != world.group_name)]
         return cls(store, dist.get_rank(), dist.get_world_size(), groups, timeout or _group_timeout(world), heartbeat)
 
-    def enter(self, operation: str, value: int, count: int, gather: Callable[[torch.Tensor], torch.Tensor], where: str) -> list[int]:
+    def enter(
+        self, operation: str, value: int, count: int, gather: Callable[[torch.Tensor], torch.Tensor], where: str
+    ) -> list[int]:
         """State that this rank enters `operation` with `value`; every rank's value, in rank order.
 
         Arguments:
@@ -233,7 +240,8 @@ class Agreement:
                 if group in mine.collectives and issued > mine.collectives[group]:
                     raise PeerError(
                         f"rank {rank} issued a collective that rank {self.rank} did not: its collective #{issued} on "
-                        f"process group {group!r}, after its last functional_shard call ({self._last_call(rank)}); rank "
+                        f"process group {group!r}, after its last functional_shard call "
+                        f"({self._last_call(rank)}); rank "
                         f"{self.rank} had issued {mine.collectives[group]} there when it entered {mine.operation} (its "
                         f"functional_shard call #{mine.call}). Every rank must issue the same collectives in the same "
                         f"order: a torch.distributed call made on some ranks only (an extra all_reduce or barrier) "
@@ -271,7 +279,8 @@ class Agreement:
         except Exception as error:  # noqa: BLE001 - a dead peer's connection, named
             rank = silent[0] if silent[0] != self.rank else next(r for r in range(self.world_size) if r != self.rank)
             raise PeerError(
-                f"rank {rank} was not heard from for {SILENT_AFTER:.0f} s while rank {self.rank} {mine.describe()}, and "
+                f"rank {rank} was not heard from for {SILENT_AFTER:.0f} s while rank {self.rank} {mine.describe()}, "
+                f"and "
                 f"the collective that met it failed ({type(error).__name__}: {str(error).splitlines()[0][:300]}): "
                 f"it died or hangs ({where})",
                 rank,

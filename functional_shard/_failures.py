@@ -77,6 +77,7 @@ class Failure:
     message: str  # one line: the exception's type and message, or what the launcher saw
     traceback: str = ""  # the rank's traceback when it raised, else ""
     exit_code: int | None = None  # the process's exit code if it ended (negative: killed by signal -exit_code)
+    blames: int | None = None  # the rank a `PeerError` of this rank named as the one that failed first, if any
 
     @property
     def signal(self) -> int | None:
@@ -126,11 +127,31 @@ def is_collective_error(error: BaseException) -> bool:
     return False
 
 
+def blamed_rank(error: BaseException) -> int | None:
+    """The rank a `PeerError` in `error`'s chain names as the one that failed first, if any."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, PeerError):
+            return current.rank
+        current = current.__cause__ or current.__context__
+    return None
+
+
 def first_cause(failures: dict[int, Failure]) -> int:
-    """The rank whose failure caused the others'. `failures` is in the order they were seen."""
+    """The rank whose failure caused the others'. `failures` is in the order they were seen.
+
+    A rank's own error or death first; else, among consequences, a rank that another rank's
+    `PeerError` names (a rank that issued a collective of its own fails only from its peers'
+    exit, after they named it); else the first consequence seen."""
     if not failures:
         raise ValueError("no failures to choose a cause from")
-    return min(failures, key=lambda rank: _CAUSE_TIERS[failures[rank].kind])  # min keeps the earliest of a tier
+    cause = min(failures, key=lambda rank: _CAUSE_TIERS[failures[rank].kind])  # min keeps the earliest of a tier
+    if _CAUSE_TIERS[failures[cause].kind] == 0:
+        return cause
+    blamed = [f.blames for f in failures.values() if f.blames in failures and f.blames is not None]
+    return blamed[0] if blamed else cause
 
 
 class RankError(RuntimeError):

@@ -66,7 +66,8 @@ def _command_line(pid: int) -> str:
 
 
 def _is_agent(command_line: str) -> bool:
-    return any(mark in command_line for mark in ("torchrun", "torch.distributed.run", "torch/distributed/run", "torch.distributed.launch"))
+    marks = ("torchrun", "torch.distributed.run", "torch/distributed/run", "torch.distributed.launch")
+    return any(mark in command_line for mark in marks)
 
 
 def die_with_torchrun_agent() -> None:

@@ -36,7 +36,7 @@ from typing import Any, Callable
 
 import torch
 
-from ._failures import Failure, FailureKind, RankError, first_cause, is_collective_error
+from ._failures import Failure, FailureKind, RankError, blamed_rank, first_cause, is_collective_error
 from ._mesh import shutdown
 from ._parent import die_with_parent
 
@@ -156,7 +156,7 @@ def _finish(code: int) -> None:
 def _failure_of(error: BaseException) -> Failure:
     kind = FailureKind.COLLECTIVE if is_collective_error(error) else FailureKind.RAISED
     message = f"{type(error).__name__}: {error}".splitlines()[0][:500]
-    return Failure(kind, message, traceback.format_exc())
+    return Failure(kind, message, traceback.format_exc(), blames=blamed_rank(error))
 
 
 def _send(conn, message: Any) -> None:
