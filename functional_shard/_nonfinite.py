@@ -7,15 +7,17 @@ some gradient element is not (or the norm overflows its dtype): every rank reads
 verdict, `isfinite(grad_norm)`, at no extra collective and no extra pass over the gradient.
 fp16 loss scaling (`fs.LossScale`) skips on the same verdict — one mechanism for every dtype.
 
-The decision is taken on the host after the step ran (one 0-d bool read; eager and traced
-alike, so the traced step keeps the eager bits): to skip, the step returns the state it was
-given (parameters, module buffers and optimizer state), with the next loss scale and
-`step + 1`. Nothing is selected on the device, so a clean step costs nothing more.
+The decision is taken on the host after the step ran, from the norm the step returns anyway
+(one 0-d read; eager and traced alike, so the traced step keeps the eager bits, and its graph
+is unchanged): to skip, the step returns the state it was given (parameters, module buffers and
+optimizer state), with the next loss scale and `step + 1`. Nothing is selected on the device,
+so a clean step costs nothing more.
 """
 
 from __future__ import annotations
 
 import enum
+import math
 import warnings
 from typing import Any
 
@@ -83,13 +85,15 @@ def resolve(policy: Any, *, donate: bool, loss_scale: Any) -> NonFinite:
 def skip_update(policy: NonFinite, out: StepOutput, *, step: int, rank: int, loss_scale: Any, donated: bool) -> bool:
     """Whether the step that produced `out` (on this rank, numbered `step`) must be skipped;
     warns (skip) or raises `NonFiniteError` (raise, or too many skipped steps in a row under
-    loss scaling). `loss_scale` is the step's `fs.LossScale` or None. Reads `out.nonfinite`
-    on the host, unless `policy` is apply. Every rank decides the same: the verdict is global."""
-    if policy is NonFinite.APPLY or not bool(out.nonfinite):
+    loss scaling). `loss_scale` is the step's `fs.LossScale` or None. Reads `out.grad_norm`
+    on the host, unless `policy` is apply. Every rank decides the same: the norm is global."""
+    if policy is NonFinite.APPLY:
         return False
     norm = float(out.grad_norm)
+    if math.isfinite(norm):
+        return False
     own = float(out.loss)
-    mine = f"; rank {rank}'s own loss is {own}: its batch or loss_fn produced it" if own != own or abs(own) == float("inf") else ""
+    mine = "" if math.isfinite(own) else f"; rank {rank}'s own loss is {own}: its batch or loss_fn produced it"
     if loss_scale is not None:
         skips = loss_scale.consecutive_skips(out.loss_scale)
         if loss_scale.max_consecutive_skips is not None and skips >= loss_scale.max_consecutive_skips:

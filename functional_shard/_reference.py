@@ -112,8 +112,7 @@ class StepOutput(NamedTuple):
     loss_scale: Any  # new LossScaleState, or None
     mean_loss: torch.Tensor  # mean over ranks of the local losses, 0-d float32
     loss: torch.Tensor  # this rank's loss
-    grad_norm: torch.Tensor  # 2-norm of the whole mean gradient (before any clipping)
-    nonfinite: torch.Tensor  # 0-d bool: grad_norm is not finite (the step decides whether to keep the update)
+    grad_norm: torch.Tensor  # 2-norm of the whole mean gradient (before any clipping); not finite: the step may skip
     aux: Any  # loss_fn's aux, or None
     microbatch_losses: tuple = ()  # each micro-batch's loss: where each forward ends
 
@@ -372,8 +371,8 @@ def _reduce_full(layout: Layout, trainable, shards, fulls, mesh) -> list[torch.T
 
 def update(fn: StepFunction, layout: Layout, shards, local, opt_state, loss_scale, scalars, batch) -> StepOutput:
     """One whole step: gradients, the global gradient norm, the optimizer's update, the mean
-    loss, and whether the gradient was finite (the step, `_step`, decides whether to keep the
-    update: `_nonfinite`; the loss scale backs off here)."""
+    loss. Whether the update is kept is the step's decision, on the host, from the norm
+    (`_nonfinite`); the loss scale backs off here, on the same verdict."""
     grads, local, loss, mean, aux, microbatch_losses = gradients(fn, layout, shards, local, batch, loss_scale)
     trainable = {spec.name: s for spec, s in zip(layout.buffers, shards) if spec.trainable}
     with _tracing.phase("update"):
@@ -382,13 +381,12 @@ def update(fn: StepFunction, layout: Layout, shards, local, opt_state, loss_scal
             grads, opt_state, trainable, scalars, inplace=fn.donate, mesh=fn.mesh,
             leaves=LeafLayout.of_shards(layout, fn.mesh.shard_index),
         )
-    # The norm is all-reduced: every rank reads the same verdict, with no collective of its own.
-    # Not finite exactly when some element of the gradient is not (or the norm overflows its dtype).
-    finite = torch.isfinite(norm)
     if fn.loss_scale is not None:
-        loss_scale = fn.loss_scale.next(loss_scale, finite)
+        # The norm is all-reduced: every rank reads the same verdict, with no collective of its
+        # own. Not finite exactly when some element of the gradient is not (or the norm overflows).
+        loss_scale = fn.loss_scale.next(loss_scale, torch.isfinite(norm))
     new_shards = [new_trainable.get(spec.name, s) for spec, s in zip(layout.buffers, shards)]
-    return StepOutput(new_shards, local, new_opt_state, loss_scale, mean, loss, norm, ~finite, aux, microbatch_losses)
+    return StepOutput(new_shards, local, new_opt_state, loss_scale, mean, loss, norm, aux, microbatch_losses)
 
 
 def evaluate(fn: StepFunction, layout: Layout, shards, local, batch) -> EvalOutput:

@@ -262,7 +262,9 @@ class ShardedStep:
         self._check_state(state)
         sharded = state.params
         scalars = self.optimizer.scalars(state.opt_state)
-        facts = (*self._facts, self._optimizer_facts[0], *scalar_facts(scalars), *self._optimizer_facts[1:])
+        facts = () if self.mesh.world_size == 1 else (
+            *self._facts, self._optimizer_facts[0], *scalar_facts(scalars), *self._optimizer_facts[1:]
+        )
         rest = (sharded.local, state.opt_state, state.loss_scale, scalars)
         with self._random_stream(state):
             if not self.schedule.trace:
@@ -284,7 +286,7 @@ class ShardedStep:
         new_state = StepState(params, opt_state, out.loss_scale, state.rng, state.step + 1, self._key)
         metrics = self._metrics(out.mean_loss, out.loss, out.aux, *moved)
         metrics["grad_norm"] = out.grad_norm
-        metrics["skipped"] = out.nonfinite if self.nonfinite is not NonFinite.APPLY else torch.zeros((), dtype=torch.bool)
+        metrics["skipped"] = torch.tensor(skip)
         if out.loss_scale is not None:
             metrics["loss_scale"] = state.loss_scale.scale
         return new_state, metrics
