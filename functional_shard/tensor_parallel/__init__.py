@@ -15,6 +15,7 @@ collectives and vocabulary-parallel cross-entropy, usable inside any `loss_fn` (
 
 from ._collectives import copy_to as copy_to
 from ._collectives import gather_along as gather_along
+from ._collectives import gather_leaf as gather_leaf
 from ._collectives import reduce_from as reduce_from
 from ._collectives import reduce_scatter_along as reduce_scatter_along
 from ._collectives import scatter_along as scatter_along
@@ -43,6 +44,7 @@ __all__ = [
     "Split",
     "copy_to",
     "gather_along",
+    "gather_leaf",
     "gpt_rules",
     "hf_rules",
     "join_pieces",

@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from .._mesh import BaseMesh
+from ._placement import Placement, Replicated, join_pieces
 
 __all__ = [
     "CopyTo",
@@ -42,6 +43,7 @@ __all__ = [
     "gather_along",
     "reduce_scatter_along",
     "scatter_along",
+    "gather_leaf",
     "axis_size",
 ]
 
@@ -298,3 +300,23 @@ def scatter_along(x: torch.Tensor, dim: int, mesh: BaseMesh, axis: str = "tp") -
     if size == 1:
         return x
     return ScatterAlong.apply(x, dim, mesh, axis)
+
+
+def gather_leaf(local: torch.Tensor, placement: Placement, mesh: BaseMesh) -> torch.Tensor:
+    """The full leaf from every rank's piece of it (the inverse of `split_tensor` over the mesh).
+
+    Arguments:
+        local: this rank's piece, as `split_tensor` cuts it for its coordinate on the axis.
+        placement: the leaf's `Split(...)` or `Replicated()` (then `local` is returned).
+        mesh: the mesh.
+
+    Returns the full leaf on every rank of the placement's axis; its gradient is this rank's
+    piece of the full leaf's gradient (the full leaf is used replicated).
+    """
+    if isinstance(placement, Replicated) or axis_size(mesh, placement.axis) == 1:
+        return local
+    dim = placement.dim % local.dim()
+    full = gather_along(local, dim, mesh, placement.axis, grad="split")
+    if placement.chunks == 1:
+        return full
+    return join_pieces(list(full.chunk(mesh.shape[placement.axis], dim)), placement)

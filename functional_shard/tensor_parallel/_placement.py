@@ -289,6 +289,11 @@ def split_tensor(full: torch.Tensor, placement: Placement, index: int, size: int
     if isinstance(placement, Replicated) or size == 1:
         return full
     dim = placement.dim % full.dim()
+    if full.shape[dim] % (placement.chunks * size):
+        raise PlacementError(
+            f"split_tensor: dimension {dim} of shape {list(full.shape)} does not split into {placement.chunks} "
+            f"block(s) x {size} ranks (check the leaf with placements_for first)"
+        )
     block = full.shape[dim] // placement.chunks
     piece = block // size
     parts = [full.narrow(dim, c * block + index * piece, piece) for c in range(placement.chunks)]
