@@ -14,6 +14,7 @@ from . import checkpoint as checkpoint
 from . import data as data
 from . import initialize as initialize
 from . import testing as testing
+from . import tensor_parallel as tensor_parallel
 from ._export import export as export
 from ._functionalize import functionalize as functionalize
 from ._failures import Failure as Failure
@@ -117,6 +118,7 @@ __all__ = [
     "sharded_step",
     "shutdown",
     "static_field",
+    "tensor_parallel",
     "testing",
     "tree_flatten",
     "tree_leaves",
