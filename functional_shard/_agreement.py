@@ -213,7 +213,12 @@ class Agreement:
                     raise self._store_failed(mine, error) from error
             except (RuntimeError, ValueError) as error:
                 raise self._store_failed(mine, error) from error
-            self._look_at_missing(mine, others, heard, start, where)
+            try:
+                self._look_at_missing(mine, others, heard, start, where)
+            except MeshError:
+                raise
+            except (RuntimeError, ValueError) as error:
+                raise self._store_failed(mine, error) from error
         entries = {self.rank: mine}
         for rank, text in zip(others, store.multi_get(keys)):
             entries[rank] = None if _text(text).startswith(_SILENT) else Entry.decode(text)
@@ -302,6 +307,17 @@ class Agreement:
         if entry is not None and digest(entry.operation) == code:
             return entry
         return Entry("an operation of the library" if code else "an unknown operation", value, call, count, {})
+
+    def leave(self) -> None:
+        """Delete this rank's keys (its call count, its last entry, its heartbeat): after every
+        rank passed `fs.shutdown`'s agreement, so that a world made again on the same store
+        starts from call 1 on every rank."""
+        try:
+            call = int(self._store.add(f"{PREFIX}/calls/{self.rank}", 0))
+            for key in (_store_key(call, self.rank), f"{PREFIX}/calls/{self.rank}", _beat_key(self.rank)):
+                self._store.delete_key(key)
+        except (RuntimeError, ValueError):
+            pass
 
     def _forget(self, call: int) -> None:
         """Delete this rank's entry of `call` (every rank has read it once all are past it)."""

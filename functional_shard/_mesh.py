@@ -484,6 +484,9 @@ def shutdown(*, barrier: bool = True) -> None:
                 where = "world of the default process group"
                 agreement.enter("fs.shutdown", 0, 0, lambda x: _gather_world(x, world), where)
             dist.barrier()
+            if agreement is not None:
+                stop_heartbeats()  # before its key goes: none may publish it again
+                agreement.leave()
     finally:
         stop_heartbeats()
         dist.destroy_process_group()

@@ -1,8 +1,9 @@
 """Processes and exposure (issue 25, items 10, 11, 12, 14), on real processes:
 
 - ranks that disagree are named within seconds, never paired: a rank that shuts down while
-  another takes one step more, and a rank that issues a collective of its own (an extra
-  `torch.distributed.all_reduce`), which the others name (`fs.PeerError`, `RankError.rank`);
+  another takes one step more, a rank that issues a collective of its own (an extra
+  `torch.distributed.all_reduce`), which the others name (`fs.PeerError`, `RankError.rank`), and
+  a rank that dies while the others wait for it;
 - under torchrun, ranks die with their agent: SIGKILL it, and no rank is alive 5 s later;
 - a world of one listens on loopback only (with a hostname that resolves to another
   interface), and not at all once it is shut down, whatever ends it; `fs.launch`'s worlds too;
@@ -208,6 +209,27 @@ def test_a_collective_of_the_users_on_one_rank_is_named_with_its_rank():
     zero = error.failures[0]
     assert zero.message.startswith("PeerError: rank 1 issued a collective that rank 0 did not"), zero.message
     assert "after its last functional_shard call (a training step" in zero.message
+    assert elapsed < 10, elapsed
+
+
+def rank_one_dies_before_its_step(mesh):
+    step, state = _two_steps(mesh)
+    if mesh.rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    step(state, torch.randn(2, 5))
+
+
+def test_a_rank_that_dies_while_the_others_wait_to_agree_is_named_in_seconds():
+    with fs.WorkerPool(2, setup=_join, setup_args=(60.0,), exit_on_error=True, start_timeout=120) as pool:
+        pool.run(warm)
+        start = time.monotonic()
+        with pytest.raises(fs.RankError) as info:
+            pool.run(rank_one_dies_before_its_step, timeout=40, grace=20)
+        elapsed = time.monotonic() - start
+    error = info.value
+    assert error.rank == 1 and error.failures[1].kind is fs.FailureKind.KILLED, str(error)
+    # Its heartbeat stopped: after 3 s rank 0 met it in an all-gather, which failed at once.
+    assert error.failures[0].message.startswith("PeerError: rank 1 was not heard from"), error.failures[0].message
     assert elapsed < 10, elapsed
 
 
