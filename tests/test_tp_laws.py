@@ -10,6 +10,7 @@ loss and gradients.
 
 from __future__ import annotations
 
+import copy
 import re
 
 import pytest
@@ -533,3 +534,60 @@ def test_gpt_by_its_plan_equals_single_process(axes):
         for name, g in grads.items():
             # The model runs in fp64, the loss in fp32 (as Megatron's): measured 6e-8 of the norm.
             assert float((g - expected_grads[name]).norm() / expected_grads[name].norm()) < 1e-6, name
+
+
+# --- a Hugging Face Llama decoder layer by its own plan ---------------------------------------
+
+
+def llama_layer_setup():
+    torch.manual_seed(0)
+    model = tiny_llama().double()  # 4 query heads, 2 key/value heads (GQA), head size 16
+    x = torch.randn(2, 8, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    position_embeddings = model.model.rotary_emb(x, torch.arange(8)[None].expand(2, 8))
+    _, params = fs.functionalize(model)
+    prefix = "model.layers.0."
+    layer = {k[len(prefix) :]: v for k, v in params.trainable.items() if k.startswith(prefix)}
+    return model, layer, x, position_embeddings
+
+
+def llama_layer_loss(w, x, position_embeddings, layer, mesh=None):
+    """Llama's decoder layer on `w` (this rank's pieces with a mesh: f before the column-parallel
+    projections, g after the row-parallel ones, as the plan's styles say)."""
+    from torch.func import functional_call
+
+    def part(prefix):
+        return {k[len(prefix) :]: v for k, v in w.items() if k.startswith(prefix)}
+
+    f = (lambda h: tp.copy_to(h, mesh)) if mesh is not None else (lambda h: h)
+    g = (lambda h: tp.reduce_from(h, mesh)) if mesh is not None else (lambda h: h)
+    h = functional_call(layer.input_layernorm, part("input_layernorm."), (x,))
+    attention, _ = functional_call(layer.self_attn, part("self_attn."), (f(h),), {"position_embeddings": position_embeddings, "attention_mask": None})
+    x = x + g(attention)
+    h = functional_call(layer.post_attention_layernorm, part("post_attention_layernorm."), (x,))
+    x = x + g(functional_call(layer.mlp, part("mlp."), (f(h),)))
+    return (x**2).mean()
+
+
+def llama_layer_tensor_parallel(mesh, model, layer_params, x, position_embeddings):
+    rules = tp.hf_rules(model)
+    placements = tp.placements_for({f"model.layers.0.{k}": v for k, v in layer_params.items()}, [
+        tp.rule(r.pattern, r.placement, required=False) for r in rules], mesh)  # fmt: skip
+    placements = {k[len("model.layers.0.") :]: p for k, p in placements.items()}
+    n, i = mesh.shape["tp"], mesh.coordinates["tp"]
+    local = {k: tp.split_tensor(v, placements[k], i, n).contiguous() for k, v in layer_params.items()}
+    # A copy per rank: functional_call swaps tensors into the module, and thread-ranks share it.
+    layer = copy.deepcopy(model.model.layers[0])
+    grads, loss = grad_and_value(llama_layer_loss)(local, x, position_embeddings, layer, mesh)
+    return loss, {k: tp.gather_leaf(g, placements[k], mesh) for k, g in grads.items()}
+
+
+@pytest.mark.parametrize("axes", [{"tp": 2}, {"fsdp": 2, "tp": 2}])
+def test_llama_layer_by_its_own_plan_equals_single_process(axes):
+    pytest.importorskip("transformers")
+    model, layer_params, x, position_embeddings = llama_layer_setup()
+    expected_grads, expected = grad_and_value(llama_layer_loss)(layer_params, x, position_embeddings, model.model.layers[0])
+    for loss, grads in simulated(axes).run(llama_layer_tensor_parallel, model, layer_params, x, position_embeddings):
+        torch.testing.assert_close(loss, expected, rtol=1e-6, atol=0)
+        assert grads.keys() == expected_grads.keys()
+        for name, g in grads.items():
+            torch.testing.assert_close(g, expected_grads[name], rtol=1e-6, atol=1e-12, msg=name)
