@@ -6,7 +6,8 @@
   a rank that dies while the others wait for it;
 - under torchrun, ranks die with their agent: SIGKILL it, and no rank is alive 5 s later;
 - a world of one listens on loopback only (with a hostname that resolves to another
-  interface), and not at all once it is shut down, whatever ends it; `fs.launch`'s worlds too;
+  interface), and not at all once it is shut down, whatever ends it; so do `fs.launch`'s worlds
+  and the gloo sockets of a world whose `MASTER_ADDR` is 127.0.0.1;
 - a run that ends with `torch.distributed.destroy_process_group()` instead of `fs.shutdown()`
   ends its process groups there (no gloo thread left for interpreter shutdown): no abort at exit
   (a handful of launches here; 100, beside DDP's count, in the `slow` soak).
@@ -294,14 +295,20 @@ def reports_its_listeners_and_its_launchers():
 
 
 LISTENERS = """
-import json, socket, sys
+import json, os, socket, sys
+from pathlib import Path
 import torch, torch.distributed as dist
 sys.path.insert(0, sys.argv[1])
 import functional_shard as fs
 from functional_shard.models import MLP
-from test_reliability_process import listeners, reports_its_listeners_and_its_launchers
+from test_reliability_process import _launch_ranks, listeners, reports_its_listeners_and_its_launchers
 
-if __name__ == "__main__":
+if __name__ == "__main__" and "RANK" in os.environ:  # a rank of a world whose MASTER_ADDR is 127.0.0.1
+    mesh = fs.init_mesh({"fsdp": 2})
+    store = int(os.environ["MASTER_PORT"])  # rank 0 serves torch's env:// store there (every interface)
+    print("RANK-REPORT " + json.dumps([(a, p) for a, p in listeners() if p != store]), file=sys.stderr)
+    fs.shutdown()
+elif __name__ == "__main__":
     report = {"hostname": socket.gethostname()}
     mesh = fs.init_mesh({"fsdp": 1})
     torch.manual_seed(0)
@@ -315,6 +322,11 @@ if __name__ == "__main__":
     dist.destroy_process_group()  # not fs's: the mesh is still alive
     report["after destroy_process_group"] = listeners()
     report["fs.launch"] = fs.launch(reports_its_listeners_and_its_launchers, world_size=2)
+    ranks = _launch_ranks(Path(__file__), 2, sys.argv[1])
+    report["MASTER_ADDR=127.0.0.1"] = [
+        found for _, err in ranks for line in err.splitlines() if line.startswith("RANK-REPORT ")
+        for found in json.loads(line.removeprefix("RANK-REPORT "))
+    ]
     print("REPORT " + json.dumps(report))
 """
 
@@ -335,8 +347,10 @@ def test_a_world_of_one_and_local_launches_listen_on_loopback_only(tmp_path):
     report = json.loads(lines[-1].removeprefix("REPORT "))
     assert report["hostname"] == address
     assert report["world of one"], "gloo should listen (on loopback) while the group exists"
-    launch = report["fs.launch"]
-    for name, found in (("world of one", report["world of one"]), ("rank", launch["rank"]), ("launcher", launch["launcher"])):
+    launch, env = report["fs.launch"], report["MASTER_ADDR=127.0.0.1"]
+    assert env, "gloo should listen in the ranks of a MASTER_ADDR=127.0.0.1 world"
+    named = {"world of one": report["world of one"], "rank": launch["rank"], "launcher": launch["launcher"]}
+    for name, found in (*named.items(), ("MASTER_ADDR=127.0.0.1 ranks", env)):
         beyond = [(a, p) for a, p in found if not _is_loopback(a)]
         assert not beyond, f"{name} listens beyond loopback: {beyond}"
     assert report["after fs.shutdown"] == [] and report["after destroy_process_group"] == [], report
