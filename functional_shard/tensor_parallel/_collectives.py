@@ -4,14 +4,18 @@ Each Function's backward calls its dual Function (never a raw op), and context i
 `setup_context`: so `torch.func.grad`, `torch.func.vjp` and `make_fx` go through them, and a
 traced step holds their collectives as `_c10d_functional` nodes (see `functional_shard/_collectives.py`).
 
-| function                   | forward                                 | backward                            | Megatron-core                                  |
-|----------------------------|-----------------------------------------|-------------------------------------|------------------------------------------------|
-| `copy_to` (f)              | identity                                | all-reduce over `axis`              | `copy_to_tensor_model_parallel_region`         |
-| `reduce_from` (g)          | all-reduce over `axis`                  | identity                            | `reduce_from_tensor_model_parallel_region`     |
-| `gather_along`             | all-gather along `dim`                  | reduce-scatter along `dim`          | `gather_from_sequence_parallel_region`         |
-| `reduce_scatter_along`     | reduce-scatter along `dim`              | all-gather along `dim`              | `reduce_scatter_to_sequence_parallel_region`   |
-| `scatter_along`            | this rank's slice along `dim` (no comm) | all-gather along `dim`              | `scatter_to_tensor_model_parallel_region`      |
-| `gather_along(grad="split")` | all-gather along `dim`                | this rank's slice (no comm)         | `gather_from_tensor_model_parallel_region`     |
+- `copy_to` (f):          forward identity; backward all-reduce over `axis`
+                          (Megatron `copy_to_tensor_model_parallel_region`).
+- `reduce_from` (g):      forward all-reduce over `axis`; backward identity
+                          (`reduce_from_tensor_model_parallel_region`).
+- `gather_along`:         forward all-gather along `dim`; backward reduce-scatter along `dim`
+                          (`gather_from_sequence_parallel_region`).
+- `reduce_scatter_along`: forward reduce-scatter along `dim`; backward all-gather along `dim`
+                          (`reduce_scatter_to_sequence_parallel_region`).
+- `scatter_along`:        forward this rank's slice along `dim` (no communication); backward
+                          all-gather along `dim` (`scatter_to_tensor_model_parallel_region`).
+- `gather_along(grad="split")`: forward all-gather along `dim`; backward this rank's slice
+                          (`gather_from_tensor_model_parallel_region`).
 
 Which backward is right is a statement about how the output is used: `gather_along`'s default
 treats the gathered tensor's gradient as *partial* (each rank holds a part of it, e.g. it feeds
@@ -232,7 +236,9 @@ def _check_dim(x: torch.Tensor, dim: int, what: str) -> int:
     return dim % x.dim()
 
 
-def gather_along(x: torch.Tensor, dim: int, mesh: BaseMesh, axis: str = "tp", *, grad: str = "reduce_scatter") -> torch.Tensor:
+def gather_along(
+    x: torch.Tensor, dim: int, mesh: BaseMesh, axis: str = "tp", *, grad: str = "reduce_scatter"
+) -> torch.Tensor:
     """All-gather `x` along dimension `dim` over `axis` (rank order).
 
     Arguments:

@@ -91,7 +91,8 @@ class Split:
                 raise ValueError(f"Split({name}=...) must be a positive int; got {value!r}")
 
     def describe(self) -> str:
-        extra = (f", chunks={self.chunks}" if self.chunks != 1 else "") + (f", granule={self.granule}" if self.granule != 1 else "")
+        extra = f", chunks={self.chunks}" if self.chunks != 1 else ""
+        extra += f", granule={self.granule}" if self.granule != 1 else ""
         return f"Split(dim={self.dim}, axis={self.axis!r}{extra})"
 
     __repr__ = describe
@@ -155,7 +156,9 @@ def rule(pattern: Pattern, placement: Placement, *, required: bool = True, style
         style: a label kept with the rule (the plan style it came from).
     """
     if not (isinstance(pattern, (str, re.Pattern)) or callable(pattern)):
-        raise TypeError(f"a placement rule's pattern must be a glob, a compiled regex or a function; got {pattern!r:.60}")
+        raise TypeError(
+            f"a placement rule's pattern must be a glob, a compiled regex or a function; got {pattern!r:.60}"
+        )
     if not isinstance(placement, (Split, Replicated)):
         raise TypeError(f"a placement rule's placement must be Split(...) or Replicated(); got {placement!r:.60}")
     return Rule(pattern, placement, required, style)
@@ -179,7 +182,9 @@ def _leaf_shapes(leaves: Any) -> dict[str, tuple[int, ...]]:
     """path -> shape from a mapping path -> tensor/shape, pairs, or any pytree of tensors."""
     if isinstance(leaves, Mapping) and all(isinstance(k, str) for k in leaves):
         items = list(leaves.items())
-    elif isinstance(leaves, (list, tuple)) and all(isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str) for x in leaves):
+    elif isinstance(leaves, (list, tuple)) and all(
+        isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str) for x in leaves
+    ):
         items = list(leaves)
     else:
         items = list(zip(tree_paths(leaves), tree_leaves(leaves)))
@@ -189,7 +194,9 @@ def _leaf_shapes(leaves: Any) -> dict[str, tuple[int, ...]]:
 def _mesh_shape(mesh: Any) -> dict[str, int]:
     shape = mesh.shape if hasattr(mesh, "axis_names") else mesh
     if not isinstance(shape, Mapping) or not shape:
-        raise TypeError(f"placements_for needs a mesh or its shape (a dict axis -> size, e.g. {{'tp': 2}}); got {mesh!r:.80}")
+        raise TypeError(
+            f"placements_for needs a mesh or its shape (a dict axis -> size, e.g. {{'tp': 2}}); got {mesh!r:.80}"
+        )
     return dict(shape)
 
 
@@ -258,7 +265,8 @@ def _checked_split(path: str, shape: tuple[int, ...], split: Split, sizes: dict[
         if split.granule > 1 and shape[dim] % (split.chunks * split.granule) == 0:
             units = shape[dim] // (split.chunks * split.granule)
             why = (
-                f"it holds {units} units of {split.granule} elements (attention heads){' per block' if split.chunks > 1 else ''}, "
+                f"it holds {units} units of {split.granule} elements (attention heads)"
+                f"{' per block' if split.chunks > 1 else ''}, "
                 f"and {units} units cannot be shared equally by {size} ranks"
             )
         else:
