@@ -449,3 +449,130 @@ def test_torch_checkpoint_in_loss_fn_points_to_remat(local_world):
     for messages in local_world(2).run(checkpoint_in_loss):
         for message in messages:
             assert "torch.utils.checkpoint" in message and "fs.Schedule(remat=True)" in message, message
+
+
+# --- selective rematerialization (fs.schedule.RematPolicy) -----------------------------------------
+
+SELECTIVE = {
+    "dots": fs.schedule.RematPolicy(),
+    "every other mm": fs.schedule.RematPolicy(every_other_mm=True),
+}
+
+
+def test_remat_policy_values():
+    policy = fs.schedule.RematPolicy()
+    assert policy.save == fs.schedule.SAVE_DOTS == ("mm", "addmm", "bmm", "baddbmm", "sdpa")
+    assert fs.Schedule(remat=policy).remat is policy  # kept whole, hashable
+    assert fs.Schedule(remat=policy).pass_list[0] == rematerialize(True, policy)
+    assert fs.schedule.RematPolicy(units=["blocks.0"]).units == ("blocks.0",)
+    assert fs.schedule.RematPolicy(save="mm").save == ("mm",)
+    with pytest.raises(ValueError, match="'matmul_'.*overload packet"):
+        fs.schedule.RematPolicy(save=("mm", "matmul_"))
+    with pytest.raises(TypeError, match="unit"):
+        fs.schedule.RematPolicy(units=3)
+
+
+def _selective_model(name: str):
+    """(params, loss_fn, (mesh, i) -> this rank's batch i) for the GPT or a
+    Hugging Face Llama from config (SDPA attention, RMSNorm, rotary, SiLU)."""
+    if name == "gpt":
+        apply_fn, params = fs.functionalize(build("gpt"))
+
+        def loss_fn(p, batch):
+            return cross_entropy(apply_fn(p, batch[0]), batch[1])
+
+        return params, loss_fn, lambda mesh, i: local_batch(global_batch("gpt", mesh.world_size, i), mesh.rank)
+    from test_training import build_hf, padded_batch, rows, token_sum
+
+    apply_fn, params = fs.functionalize(build_hf("llama"))
+
+    def llama_loss(p, batch):
+        ids, mask, labels = batch
+        n = (labels[:, 1:] != -100).sum()
+        return fs.WeightedLoss(token_sum(apply_fn(p, input_ids=ids, attention_mask=mask).logits, labels) / n, n)
+
+    return params, llama_loss, lambda mesh, i: rows(padded_batch(mesh.world_size, i), mesh.rank)
+
+
+def selective_equals_eager(mesh, name: str, dtype) -> dict:
+    """Eager reference, full remat and each selective policy: same bits; what each recomputes."""
+    precision = fs.Precision(param_dtype=dtype) if dtype is not torch.float32 else None
+    params, loss_fn, batch_of = _selective_model(name)
+    runs = {}
+    for label, schedule in (("eager", fs.Schedule(trace=False)), ("full", fs.Schedule(remat=True)), *(
+        (k, fs.Schedule(remat=v)) for k, v in SELECTIVE.items()
+    )):
+        step = fs.sharded_step(loss_fn, mesh, optimizer=fs.optim.adamw(1e-2, weight_decay=0.1), schedule=schedule, precision=precision)
+        state = step.init(params, seed=7)
+        for i in range(2):
+            state, metrics = step(state, batch_of(mesh, i))
+        runs[label] = state, metrics, step
+    reference, reference_metrics, _ = runs.pop("eager")
+    out = {"problems": [], "recomputed": {}}
+    for label, (state, metrics, step) in runs.items():
+        out["problems"] += bit_problems(label, state, metrics, fs.tree_leaves(reference), reference_metrics)
+        gm = next(iter(step.cache.values())).graph_module
+        ops = [getattr(getattr(n.target, "overloadpacket", None), "__name__", "") for nodes in
+               fs.schedule._remat.recomputed_units(gm).values() for n in nodes]
+        out["recomputed"][label] = {
+            "mm": sum(o in ("mm", "addmm", "bmm") for o in ops),
+            "sdpa": sum("scaled_dot_product" in o for o in ops),
+            "nodes": len(ops),
+            "units": fs.schedule.rematerialized(step.schedule_events),
+        }
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_selective_remat_keeps_the_bits(local_world, world, name, dtype):
+    if name == "llama":
+        pytest.importorskip("transformers")
+    for out in local_world(world).run(selective_equals_eager, name, dtype):
+        assert not out["problems"], out
+        full, dots, other = (out["recomputed"][k] for k in ("full", "dots", "every other mm"))
+        # The same units; full remat recomputes the matrix products, the dots policy none of them,
+        # torchtitan's every second mm of each unit.
+        assert full["units"] == dots["units"] == other["units"] and full["units"], out
+        assert full["mm"] > other["mm"] > dots["mm"] == 0, out
+        assert dots["sdpa"] == 0 and dots["nodes"] < full["nodes"], out
+        # (The Llama's SDPA attention traces on CPU into bmm, softmax, bmm: its products are kept.)
+
+
+def selective_memory(mesh) -> dict:
+    """The analysis' peak against MemTracker's, for no remat, full remat and the dots policy
+    (GPT benchmark model, bf16 mixed precision, as test_analysis measures it)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from test_analysis import GPT_SHAPE, gpt_loss
+
+    torch.manual_seed(0)
+    shape = dict(GPT_SHAPE, n_layer=4, block_size=128, d_model=128, n_head=4)
+    apply_fn, params = fs.functionalize(GPT(GPTConfig(**shape)))
+    precision = fs.Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    g = torch.Generator().manual_seed(mesh.rank)
+    tokens = torch.randint(0, shape["vocab_size"], (4, 128), generator=g)
+    batch = (tokens, tokens)
+    out = {}
+    for label, remat in (("none", False), ("full", True), ("dots", fs.schedule.RematPolicy())):
+        step = fs.sharded_step(gpt_loss(apply_fn), mesh, optimizer=fs.optim.adamw(lr=1e-3), precision=precision,
+                               schedule=fs.Schedule(remat=remat))
+        state, _ = step(step.init(params), batch)
+        predicted = fs.analysis.analyze(step.lower(state, batch)).memory.peak
+        tracker = MemTracker()
+        tracker.track_external(*fs.tree_leaves(state), *batch)
+        with tracker:
+            state, _ = step(state, batch)
+        snapshot = tracker.get_tracker_snapshot("peak")
+        measured = next(int(v) for k, v in next(iter(snapshot.values())).items() if str(getattr(k, "value", k)) == "Total")
+        out[label] = (predicted, measured)
+    return out
+
+
+def test_selective_remat_peak_is_predicted(local_world):
+    for out in local_world(2).run(selective_memory):
+        for label, (predicted, measured) in out.items():
+            assert abs(measured - predicted) <= 1e-3 * predicted, (label, out)
+        # Between full remat and none.
+        assert out["full"][1] < out["dots"][1] < out["none"][1], out

@@ -19,6 +19,8 @@ the built-in ones, add your own.
   of once per micro-batch (`Schedule(reshard_after_backward=False)`);
 - rematerialization (`_remat.py`): `rematerialize`, the one pass that adds computation — it
   recomputes chosen units' forward values before their backward (same bits, less memory);
+  `RematPolicy` keeps the outputs of the ops it names (matrix products, attention) and
+  recomputes only the rest (selective activation checkpointing);
 - the update (`_update.py`): `early_update`, each unit's in-place optimizer update as soon as
   its gradient is reduced (the default list's last pass);
 - graph tools (`_graph.py`): the typed record of each collective (`CollectiveTag`, `tag`,
@@ -58,6 +60,8 @@ from ._passes import limit_in_flight as limit_in_flight
 from ._microbatches import gather_once as gather_once
 from ._passes import prefetch as prefetch
 from ._passes import reshard_after_forward as reshard_after_forward
+from ._remat import SAVE_DOTS as SAVE_DOTS
+from ._remat import RematPolicy as RematPolicy
 from ._remat import rematerialize as rematerialize
 from ._update import early_update as early_update
 from ._schedule import Schedule as Schedule
@@ -81,6 +85,8 @@ __all__ = [
     "limit_in_flight",
     "gather_once",
     "rematerialize",
+    "RematPolicy",
+    "SAVE_DOTS",
     "early_update",
     # graph tools
     "CollectiveTag",

@@ -17,6 +17,11 @@ to the backward's own all-gather like any other backward read).
 
 With micro-batches the graph runs forward 0, backward 0, forward 1, ... (one marked forward end
 per micro-batch): each micro-batch's units are recomputed in that micro-batch's backward.
+
+Selective rematerialization (`RematPolicy`): the outputs of the ops a policy names (matrix
+products and attention, by default) are kept like a unit's input, and only the rest — the
+cheap elementwise ops, norms, softmax — is recomputed, from those kept values. This is
+torchtitan's "selective op" activation checkpointing and JAX's `dots_saveable`.
 """
 
 from __future__ import annotations
@@ -47,6 +52,79 @@ from ._graph import (
 _RECOMPUTED_KEY = "fs_recomputed"
 
 Units = bool | tuple[str, ...] | Callable[[str], bool]
+
+# Op names `RematPolicy(save=...)` accepts for groups of ops: "sdpa" is every fused attention
+# kernel (`_scaled_dot_product_flash_attention`, `..._efficient_attention`, `..._for_cpu`, ...).
+SAVE_DOTS = ("mm", "addmm", "bmm", "baddbmm", "sdpa")
+
+
+@dataclasses.dataclass(frozen=True)
+class RematPolicy:
+    """Selective rematerialization: which forward values of the rematerialized units are kept
+    for the backward instead of recomputed (`fs.Schedule(remat=RematPolicy(...))`).
+
+    A rematerialized unit keeps its input and, under a policy, the outputs of the ops `save`
+    names; everything else its backward reads is recomputed right before its backward, from
+    those kept values. The default keeps matrix products and attention, the expensive ops,
+    and recomputes the cheap elementwise ones (norms, activations, softmax, rotary, casts):
+    most of the memory of full rematerialization is saved for a few percent of the compute.
+
+        fs.Schedule(remat=fs.schedule.RematPolicy())                     # save the dots
+        fs.Schedule(remat=fs.schedule.RematPolicy(every_other_mm=True))  # torchtitan's "op" mode
+        fs.Schedule(remat=fs.schedule.RematPolicy(save=()))              # = remat=True
+
+    Equivalences: JAX's `checkpoint_policies.dots_saveable` is `RematPolicy(save=("mm", "addmm",
+    "bmm", "baddbmm"))` (JAX has no fused attention op), `nothing_saveable` is `save=()` (the
+    same as `remat=True`), `everything_saveable` is `remat=False`. torchtitan's selective op
+    checkpointing (`_save_list`: `aten.mm`, the `_scaled_dot_product_*` attention kernels; every
+    second `mm` of a block recomputed) is `RematPolicy(every_other_mm=True)`.
+
+    Same bits as without remat: the same ops run on the same inputs.
+
+    Arguments:
+        save: op names (aten overload packets, e.g. `"mm"`, `"addmm"`, `"bmm"`, `"_softmax"`;
+            `"sdpa"` for every `_scaled_dot_product_*` attention kernel) whose outputs are kept.
+            Default `SAVE_DOTS`: `mm`, `addmm`, `bmm`, `baddbmm`, `sdpa`.
+        units: which units are rematerialized, as `Schedule(remat=...)` takes it: True (every
+            unit), a tuple of unit names, or a function `unit -> bool`.
+        every_other_mm: recompute every second linear layer's product of each unit (`mm`, or
+            `addmm` for a layer with a bias; in forward order: the 2nd, 4th, ...) instead of
+            keeping it, as torchtitan's selective op checkpointing does for `mm` (its Llama's
+            linear layers have no bias); the other ops of `save` are kept. More compute, less
+            memory.
+    """
+
+    save: tuple[str, ...] = SAVE_DOTS
+    units: Units = True
+    every_other_mm: bool = False
+
+    def __post_init__(self) -> None:
+        save = (self.save,) if isinstance(self.save, str) else self.save
+        if not isinstance(save, (tuple, list, set, frozenset)) or not all(isinstance(n, str) for n in save):
+            raise TypeError(f"RematPolicy.save must be a tuple of op names such as ('mm', 'sdpa'); got {self.save!r}")
+        unknown = [n for n in save if n != "sdpa" and not hasattr(torch.ops.aten, n)]
+        if unknown:
+            raise ValueError(
+                f"RematPolicy.save names ops aten does not have: {unknown}; use aten overload packet names "
+                f"(e.g. 'mm', 'addmm', 'bmm', '_softmax') or 'sdpa' for the fused attention kernels"
+            )
+        object.__setattr__(self, "save", tuple(sorted(set(save), key=list(save).index)))
+        object.__setattr__(self, "units", rematerialize(self.units).units)
+        if not isinstance(self.every_other_mm, bool):
+            raise TypeError(f"RematPolicy.every_other_mm must be a bool; got {self.every_other_mm!r}")
+
+    def saves(self, node: fx.Node) -> bool:
+        """Whether the policy names `node`'s op (before `every_other_mm`)."""
+        name = getattr(getattr(node.target, "overloadpacket", None), "__name__", "")
+        if not name:
+            return False
+        return name in self.save or ("sdpa" in self.save and "scaled_dot_product" in name)
+
+
+def remat_value(remat):
+    """`Schedule.remat` checked and normalized: a `RematPolicy` as it is, else the units
+    (`rematerialize(remat).units`: a list becomes a tuple)."""
+    return remat if isinstance(remat, RematPolicy) else rematerialize(remat).units
 
 # Ops that write arguments their schema does not mark as written: batch norm in training mode
 # updates its running statistics (arguments 3 and 4) in place. Op -> indices of those arguments.
@@ -84,15 +162,25 @@ class rematerialize(Pass):
             `("blocks.0", "blocks.1")`) those; a function `unit -> bool` the units it accepts
             (with micro-batches it is asked about the unit's name, `blocks.0`, not its label).
 
+        policy: a `RematPolicy` whose `save` ops' outputs are kept rather than recomputed
+            (None: nothing is kept but the units' inputs). A `RematPolicy` passed as `units`
+            is taken apart into the two.
+
     Run it before `reshard_after_forward`: the recomputed nodes read the unit's gathered
     parameters in the backward, and that pass gives such reads the backward's own all-gather
     (run after it, they would keep the forward's gathered copy alive; the bits are the same).
     """
 
     units: Units = True
+    policy: RematPolicy | None = None
 
     def __post_init__(self) -> None:
         units = self.units
+        if isinstance(units, RematPolicy):
+            if self.policy is not None:
+                raise TypeError("rematerialize: give a RematPolicy as units or as policy, not both")
+            object.__setattr__(self, "policy", units)
+            units = units.units
         if isinstance(units, str):
             units = (units,)
         elif isinstance(units, (list, set, frozenset)):
@@ -129,8 +217,11 @@ class rematerialize(Pass):
         microbatch_of, unit_of = _forward_nodes(gm, parameters, position, ends)
         losses = {unit_of.get(end) for end in ends}
         chosen = {u for u in unit_of.values() if self.chooses(unit_of_label(u)) and u not in losses}
+        kept = _kept_by_policy(gm, unit_of, chosen, self.policy)
         recomputed: dict[str, list[fx.Node]] = {}
         for node in _recomputed_nodes(gm, unit_of, microbatch_of, chosen, position):
+            if node in kept:
+                continue
             recomputed.setdefault(unit_of[node], []).append(node)
         for unit, nodes in recomputed.items():
             _recompute(gm, unit, nodes, position, position[ends[microbatch_of[nodes[0]]]])
@@ -207,6 +298,25 @@ def _forward_nodes(
         if reads or inherited:
             latest[node] = (*max(reads + [(p, u) for p, u, _ in inherited]), here)
     return microbatch_of, {node: unit for node, (_, unit, _) in latest.items()}
+
+
+def _kept_by_policy(gm: fx.GraphModule, unit_of: dict, chosen: set, policy: RematPolicy | None) -> set[fx.Node]:
+    """The chosen units' forward nodes whose outputs `policy` keeps (with `every_other_mm`,
+    each unit's 2nd, 4th, ... `mm` or `addmm` in graph order is not kept)."""
+    if policy is None:
+        return set()
+    kept: set[fx.Node] = set()
+    mm_count: dict[str, int] = {}
+    for node in gm.graph.nodes:
+        unit = unit_of.get(node)
+        if unit not in chosen or node.op != "call_function" or not policy.saves(node):
+            continue
+        if policy.every_other_mm and node.target in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+            mm_count[unit] = mm_count.get(unit, 0) + 1
+            if mm_count[unit] % 2 == 0:
+                continue
+        kept.add(node)
+    return kept
 
 
 # --- which nodes may be recomputed ----------------------------------------------------------------

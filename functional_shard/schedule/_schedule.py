@@ -14,7 +14,7 @@ from ._buckets import bucket_gathers
 from ._graph import fill_values
 from ._microbatches import gather_once
 from ._passes import _FrozenMapping
-from ._remat import rematerialize
+from ._remat import RematPolicy, rematerialize, remat_value
 from ._update import early_update
 
 
@@ -99,7 +99,9 @@ class Schedule:
             chosen units' forward values that the backward reads are recomputed right before
             their backward, instead of being kept from forward to backward; what stays alive
             is each unit's input (the residual stream between blocks). True for every unit,
-            a tuple of unit names, or a function `unit -> bool`; False (default) for none.
+            a tuple of unit names, or a function `unit -> bool`; False (default) for none; a
+            `fs.schedule.RematPolicy` for selective remat (keep the matrix products' and
+            attention's outputs, recompute the elementwise ops between them).
             Same bits, less memory, about one more forward of compute. Traced steps only. With
             micro-batches each micro-batch's units are recomputed in its own backward.
         compile: hand the scheduled graph to `torch.compile` (inductor); results then agree
@@ -139,7 +141,7 @@ class Schedule:
     passes: tuple[Pass, ...] | None = None
     compile: bool = False
     accumulate: str = "sharded"
-    remat: bool | tuple[str, ...] | Callable[[str], bool] = False
+    remat: bool | tuple[str, ...] | Callable[[str], bool] | RematPolicy = False
     gradients_in_place: bool = False
     reshard_after_backward: bool = True
 
@@ -160,7 +162,7 @@ class Schedule:
         object.__setattr__(self, "extra_passes", tuple(as_pass(p) for p in self.extra_passes))
         if self.remat is not False:
             # Checked and normalized (a list becomes a tuple) as the pass value does it.
-            object.__setattr__(self, "remat", rematerialize(self.remat).units)
+            object.__setattr__(self, "remat", remat_value(self.remat))
         if self.passes is not None:
             object.__setattr__(self, "passes", tuple(as_pass(p) for p in self.passes))
             changed = [
