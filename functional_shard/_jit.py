@@ -17,6 +17,7 @@ raise together instead of pairing mismatched messages.
 from __future__ import annotations
 
 import collections
+import contextvars
 import dataclasses
 import os
 import traceback
@@ -29,12 +30,13 @@ import torch
 import torch._subclasses.fake_tensor
 import torch.fx.experimental.symbolic_shapes
 from torch import fx
-from torch.fx.experimental.proxy_tensor import make_fx
 
 from . import _mesh, _tracing
 from . import schedule as schedule_lib
 from ._layout import Layout
 from ._pytree import tree_flatten, tree_paths
+from ._replay import make_fx_with_sources, replay
+from ._retained import Retained
 from .schedule._graph import copy_graph, microbatch_label
 from .schedule._lower import drop_collectives, free_sent_and_received, gather_casts_in_place, gradients_in_place, runnable
 
@@ -173,6 +175,9 @@ class CompiledStep:
             `schedule._lower.runnable`, or its `torch.compile`d form).
         scheduled: the graph after the schedule's passes, before `lower_for_mesh` (what
             `fs.analysis.autotune` schedules again: passes must never see lowered nodes).
+        release: forgets what its trace left in torch's process-wide caches (FX's generated
+            sources, fake-tensor cache entries: `_retained`); called when the jit evicts it,
+            else when it is garbage collected. It still runs afterwards.
     """
 
     key: CacheKey
@@ -186,6 +191,7 @@ class CompiledStep:
     reduce_scatter_bytes: int
     run: Callable
     scheduled: fx.GraphModule | None = None
+    release: Callable[[], Any] = dataclasses.field(default=lambda: None, repr=False, compare=False)
 
     def explain(self) -> str:
         return schedule_lib.explain(self.events, title=f"schedule of {self.key.describe()}")
@@ -224,10 +230,16 @@ def trace(program: Callable[..., NamedTuple], mesh, key: CacheKey, io: FlatIO, i
     def flat_program(*flat):
         return io.outputs(program(*io.split_inputs(flat)))
 
+    retained = Retained()  # what the trace adds to torch's process-wide caches
     with _tracing.recording() as (log, guards):
         try:
-            gm = make_fx(flat_program, tracing_mode="fake", _allow_non_fake_inputs=True)(*inputs)
-        except _DATA_DEPENDENT as error:
+            # In a context of its own: make_fx sets a new context variable per trace (a config
+            # patch), which would otherwise stay in the caller's context for good.
+            gm = contextvars.copy_context().run(make_fx_with_sources(flat_program), *inputs)
+        except Exception as error:
+            retained.forget()
+            if not isinstance(error, _DATA_DEPENDENT):
+                raise
             op = getattr(error, "func", None)
             if op is None:  # a guard on an unbacked value: bool()/int()/float()/.item() of a tensor
                 op = "aten._local_scalar_dense (bool(), int(), float() or .item() of a tensor)"
@@ -242,20 +254,28 @@ def trace(program: Callable[..., NamedTuple], mesh, key: CacheKey, io: FlatIO, i
     _label_collectives(gm, log)
     for index in io.forward_ends:
         _mark_forward_end(gm, index)
-    return scheduled_step(gm, schedule, mesh, key=key, io=io, guards=list(guards))
+    return scheduled_step(gm, schedule, mesh, key=key, io=io, guards=list(guards), retained=retained)
 
 
-def scheduled_step(gm: fx.GraphModule, schedule, mesh, *, key: CacheKey, io: FlatIO, guards: list) -> CompiledStep:
+def scheduled_step(
+    gm: fx.GraphModule, schedule, mesh, *, key: CacheKey, io: FlatIO, guards: list, retained: Retained | None = None
+) -> CompiledStep:
     """Apply `schedule`'s passes to the traced graph `gm` (in place), keep a copy, lower the
-    result for `mesh` (`lower_for_mesh`) and make it a `CompiledStep`."""
-    gm = schedule_lib.apply_schedule(gm, schedule, schedule_lib.PassContext.for_mesh(mesh))
-    scheduled = copy_graph_module(gm)
-    lower_for_mesh(gm, mesh, in_place=schedule.gradients_in_place and not schedule.compile)
-    events = schedule_lib.analyze(gm)
-    kinds = {"gather_issued": "all_gather", "reduce_scatter_issued": "reduce_scatter", "all_reduce_issued": "all_reduce"}
-    sequence = [f"{kinds[e.event]} of {e.buffer or 'a value'} ({e.nbytes} bytes)" for e in events if e.event in kinds]
-    run = torch.compile(gm, backend="inductor", fullgraph=True, dynamic=False) if schedule.compile else runnable(gm)
-    return CompiledStep(
+    result for `mesh` (`lower_for_mesh`) and make it a `CompiledStep`. What it (and the trace
+    `retained` was made before) adds to torch's process-wide caches is released with it."""
+    retained = retained if retained is not None else Retained()
+    try:
+        gm = schedule_lib.apply_schedule(gm, schedule, schedule_lib.PassContext.for_mesh(mesh))
+        scheduled = copy_graph_module(gm)
+        lower_for_mesh(gm, mesh, in_place=schedule.gradients_in_place and not schedule.compile)
+        events = schedule_lib.analyze(gm)
+        kinds = {"gather_issued": "all_gather", "reduce_scatter_issued": "reduce_scatter", "all_reduce_issued": "all_reduce"}
+        sequence = [f"{kinds[e.event]} of {e.buffer or 'a value'} ({e.nbytes} bytes)" for e in events if e.event in kinds]
+        run = torch.compile(gm, backend="inductor", fullgraph=True, dynamic=False) if schedule.compile else runnable(gm)
+    except BaseException:
+        retained.forget()
+        raise
+    compiled = CompiledStep(
         key=key,
         graph_module=gm,
         io=io,
@@ -268,6 +288,8 @@ def scheduled_step(gm: fx.GraphModule, schedule, mesh, *, key: CacheKey, io: Fla
         run=run,
         scheduled=scheduled,
     )
+    compiled.release = retained.own(compiled, (gm, scheduled, run))
+    return compiled
 
 
 def lower_for_mesh(gm: fx.GraphModule, mesh, *, in_place: bool = False) -> None:
@@ -420,7 +442,7 @@ class Jit:
         self.cache.move_to_end(key)
         self.last = compiled
         with torch.no_grad():
-            outputs = compiled.run(*inputs)
+            outputs = replay(compiled.run, inputs)
         return compiled.io.split_outputs(outputs), compiled
 
     def _agree_on_trace(self, key: CacheKey, io: FlatIO, inputs: list, compiled, layout: Layout, batch) -> CompiledStep:
@@ -463,7 +485,7 @@ class Jit:
         self.cache.move_to_end(key)
         if sum(len(v) for v in self.cache.values()) > self.max_traces:
             oldest = next(iter(self.cache))
-            self.cache[oldest].pop(0)
+            self.cache[oldest].pop(0).release()
             if not self.cache[oldest]:
                 del self.cache[oldest]
             if not self._warned:

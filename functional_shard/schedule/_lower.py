@@ -288,7 +288,8 @@ def runnable(gm: fx.GraphModule) -> fx.GraphModule:
     0.5 us of a node's 2-3 us on a CPU, some 1 ms a step for a 2,000-node GPT step. The same
     kernels, so the same results; `gm` (what the analyses read) keeps its targets. Each entry
     point is wrapped in a `functools.partial` named after its operator, which FX's code
-    generation can bind as a global (the bare entry point it cannot name)."""
+    generation can bind as a global (the bare entry point it cannot name), and which keeps the
+    operator in its `overload` attribute."""
     graph = copy_graph(gm)
     entry: dict = {}
     for node in graph.nodes:
@@ -296,6 +297,7 @@ def runnable(gm: fx.GraphModule) -> fx.GraphModule:
             if node.target not in entry:
                 call = functools.partial(node.target._op)
                 call.__name__ = str(node.target).replace(".", "_").replace("::", "_")  # type: ignore[attr-defined]
+                call.overload = node.target  # type: ignore[attr-defined]  # what a failure names (_replay)
                 entry[node.target] = call
             node.target = entry[node.target]
     return fx.GraphModule(gm, graph)
