@@ -12,14 +12,10 @@ contiguous 1-D tensors and is written as torch's functional collectives
 from __future__ import annotations
 
 import collections
-import contextlib
 import datetime
-import ipaddress
 import os
-import socket
-import sys
 import weakref
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -28,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ._agreement import Agreement, digest as _digest, stop_heartbeats
 from ._failures import MeshError, PeerError
+from ._loopback import gloo_on_loopback
 from ._parent import die_with_torchrun_agent
 from ._tracing import record
 
@@ -412,7 +409,7 @@ def init_mesh(
     created = not dist.is_initialized()
     world = (int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ else 1) if created else dist.get_world_size()
     _check_product(names, sizes, world)
-    with _gloo_on_loopback(world):
+    with gloo_on_loopback(world):
         if created:
             if backend is None:
                 backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -428,34 +425,6 @@ def init_mesh(
         device_mesh = init_device_mesh(device_type, sizes, mesh_dim_names=names)
         seconds = timeout.total_seconds() if created else None
         return Mesh(device_mesh, shard_axis=shard_axis, split_groups=split_groups, timeout=seconds)
-
-
-def _is_loopback(address: str) -> bool:
-    """Whether every address `address` resolves to is a loopback address (False if it does not resolve)."""
-    if not address:
-        return False
-    try:
-        infos = socket.getaddrinfo(address, None)
-    except OSError:
-        return False
-    return bool(infos) and all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in infos)
-
-
-@contextlib.contextmanager
-def _gloo_on_loopback(world: int) -> Iterator[None]:
-    """While the mesh's process groups are made, bind gloo's sockets to the loopback interface
-    when no other one is needed: a world of one, or a world whose rendezvous (`MASTER_ADDR`) is
-    this host's loopback, so all its ranks are here. Else gloo listens on the address the
-    hostname resolves to. A user who names an interface (`GLOO_SOCKET_IFNAME`) keeps it, and
-    `os.environ` is left as it was."""
-    if "GLOO_SOCKET_IFNAME" in os.environ or not (world == 1 or _is_loopback(os.environ.get("MASTER_ADDR", ""))):
-        yield
-        return
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo0" if sys.platform == "darwin" else "lo"
-    try:
-        yield
-    finally:
-        os.environ.pop("GLOO_SOCKET_IFNAME", None)
 
 
 def shutdown(*, barrier: bool = True) -> None:

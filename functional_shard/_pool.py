@@ -37,6 +37,7 @@ from typing import Any, Callable
 import torch
 
 from ._failures import Failure, FailureKind, RankError, blamed_rank, first_cause, is_collective_error
+from ._loopback import loopback_interface
 from ._mesh import shutdown
 from ._parent import die_with_parent
 
@@ -91,10 +92,6 @@ def _threads_per_rank(world_size: int) -> int:
     return max(1, (os.cpu_count() or 1) // world_size)
 
 
-def _loopback_interface() -> str:
-    return "lo0" if sys.platform == "darwin" else "lo"
-
-
 def _environment(rank: int, world_size: int, port: int) -> dict[str, str]:
     """torchrun's variables for `rank`, and the two that keep the world on the loopback interface."""
     return {
@@ -109,7 +106,7 @@ def _environment(rank: int, world_size: int, port: int) -> dict[str, str]:
         # instead of starting a server in rank 0, which would listen on every interface.
         "TORCHELASTIC_USE_AGENT_STORE": "True",
         # gloo binds its pair sockets to this interface's address (else to the hostname's).
-        "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", _loopback_interface()),
+        "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", loopback_interface()),
     }
 
 
