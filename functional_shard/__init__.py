@@ -15,6 +15,7 @@ from . import data as data
 from . import initialize as initialize
 from . import testing as testing
 from . import tensor_parallel as tensor_parallel
+from . import pipeline as pipeline
 from ._export import export as export
 from ._functionalize import functionalize as functionalize
 from ._failures import Failure as Failure
@@ -110,6 +111,7 @@ __all__ = [
     "launch",
     "make_layout",
     "optim",
+    "pipeline",
     "precision",
     "pytree_dataclass",
     "reduce_scatter",

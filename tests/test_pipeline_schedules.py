@@ -98,7 +98,8 @@ def test_csv_is_torchs_format_both_ways(tmp_path):
     import csv
     import io
 
-    rows = [[torch_schedules._Action.from_str(cell) for cell in row] for row in csv.reader(io.StringIO(schedule.to_csv()))]
+    cells = csv.reader(io.StringIO(schedule.to_csv()))
+    rows = [[torch_schedules._Action.from_str(cell) for cell in row] for row in cells]
     assert [[str(a) for a in row] for row in rows] == [[str(a) for a in row] for row in schedule.actions]
     with_idle = "0F0,,0F1,0B0,0B1\n,1F0,1B0,1F1,1B1\n"
     loaded = PipelineSchedule.from_csv(with_idle)
@@ -125,6 +126,8 @@ def test_every_builtin_passes_the_check_compute_only_and_lowered(case):
     name, schedule = case
     result = pp.check(schedule, num_ranks=schedule.num_ranks, num_microbatches=schedule.num_microbatches)
     assert result.backward
+    # every built-in adds a stage's micro-batch gradients in micro-batch order: GPipe's bits
+    assert result.accumulation == (tuple(range(schedule.num_microbatches)),) * schedule.num_stages
     assert sorted(map(str, (a for _, a in result.order))) == sorted(str(a) for row in schedule.actions for a in row)
     for fsdp in (False, True):
         lowered = pp.with_communication(schedule, fsdp=fsdp)
@@ -161,7 +164,11 @@ def test_compute_orders_are_torchs(P):
         for v in (1, 2, 3):
             sizes = SimpleNamespace(n_local_stages=v, pp_group_size=P, _n_microbatches=M,
                                     microbatches_per_round=M // max(1, M // P))  # fmt: skip
-            for cls, ours in ((ts.ScheduleInterleaved1F1B, pp.interleaved_1f1b), (ts.ScheduleInterleavedZeroBubble, pp.zero_bubble_h1)):
+            pairs = (
+                (ts.ScheduleInterleaved1F1B, pp.interleaved_1f1b),
+                (ts.ScheduleInterleavedZeroBubble, pp.zero_bubble_h1),
+            )
+            for cls, ours in pairs:
                 theirs = _torch_compute(cls._calculate_single_rank_operations(sizes, r) for r in range(P))
                 assert theirs == mine(ours(P, M, stages_per_rank=v)), (cls.__name__, P, M, v)
 
@@ -271,7 +278,8 @@ def test_compute_only_deadlock_names_the_cycle():
     pp.check(schedule)  # any order of a rank's backwards is fine while the data allow it
     stuck = PipelineSchedule.from_rows([["0F0", "0B0", "0F1", "0B1"], ["1F1", "1B1", "1F0", "1B0"]])
     error = refused(stuck)
-    assert "deadlock: rank 0 waits at 0B0 (action 1) for rank 1 (1B0), which waits at 1F1 (action 0) for rank 0 (0F1)" in str(error)
+    assert "deadlock: rank 0 waits at 0B0 (action 1) for rank 1 (1B0), which waits at 1F1 (action 0) " \
+           "for rank 0 (0F1)" in str(error)  # fmt: skip
 
 
 def test_missing_receive_is_refused():
@@ -309,7 +317,8 @@ def test_weight_gradient_after_the_reduction_is_refused():
     assert "rank 0's 0W0 (action 3) adds to stage 0's gradients after 0REDUCE_GRAD (action 2)" in str(error)
     assert error.actions == ((0, Action.parse("0W0")), (0, Action.parse("0REDUCE_GRAD")))
     pp.check(PipelineSchedule.from_rows([["0F0", "0I0", "0W0", "0REDUCE_GRAD", "0OPTIMIZER"]]))
-    assert "comes after 0OPTIMIZER" in str(refused(PipelineSchedule.from_rows([["0F0", "0B0", "0OPTIMIZER", "0REDUCE_GRAD"]])))
+    late = PipelineSchedule.from_rows([["0F0", "0B0", "0OPTIMIZER", "0REDUCE_GRAD"]])
+    assert "comes after 0OPTIMIZER" in str(refused(late))
 
 
 def test_compute_on_a_resharded_stage_is_refused():

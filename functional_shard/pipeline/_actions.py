@@ -126,7 +126,9 @@ class Action:
             if self.microbatch is not None:
                 raise ScheduleError(f"{kind.value} acts on a whole stage: give no micro-batch (got {self.microbatch})")
         elif not isinstance(self.microbatch, int) or self.microbatch < 0:
-            raise ScheduleError(f"action {self.stage}{kind.value}: needs a micro-batch index >= 0, got {self.microbatch!r}")
+            raise ScheduleError(
+                f"action {self.stage}{kind.value}: needs a micro-batch index >= 0, got {self.microbatch!r}"
+            )
         if self.meta is not None and kind not in P2P:
             raise ScheduleError(f"only SEND/RECV actions carry tensor metadata, not {self.stage}{kind.value}")
 
@@ -221,7 +223,8 @@ class PipelineSchedule:
             raise ScheduleError("a pipeline schedule needs at least one rank's actions")
         if self.num_microbatches < 1 or self.stages_per_rank < 1:
             raise ScheduleError(
-                f"num_microbatches and stages_per_rank must be >= 1 (got {self.num_microbatches}, {self.stages_per_rank})"
+                "num_microbatches and stages_per_rank must be >= 1 "
+                f"(got {self.num_microbatches}, {self.stages_per_rank})"
             )
         stage_to_rank(0, 1, self.placement)  # validates the placement's name
 
@@ -266,7 +269,8 @@ class PipelineSchedule:
             f"# pipeline {self.name}: ranks={self.num_ranks} stages_per_rank={self.stages_per_rank} "
             f"placement={self.placement} microbatches={self.num_microbatches}"
         )
-        return "\n".join([head] + [f"rank {r}: " + " ".join(map(str, row)) for r, row in enumerate(self.actions)]) + "\n"
+        rows = [f"rank {r}: " + " ".join(map(str, row)) for r, row in enumerate(self.actions)]
+        return "\n".join([head] + rows) + "\n"
 
     __str__ = to_text
 
@@ -294,7 +298,9 @@ class PipelineSchedule:
             if match is None:
                 raise ScheduleError(f"line {number} of the schedule text is not 'rank <r>: <actions>': {line!r}")
             if int(match.group(1)) != len(rows):
-                raise ScheduleError(f"line {number}: expected rank {len(rows)}'s actions, found rank {match.group(1)}'s")
+                raise ScheduleError(
+                    f"line {number}: expected rank {len(rows)}'s actions, found rank {match.group(1)}'s"
+                )
             rows.append(match.group(2).split())
         return PipelineSchedule.from_rows(rows, **(header | overrides))
 

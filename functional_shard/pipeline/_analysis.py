@@ -136,7 +136,8 @@ def _unit(values) -> Fraction:
         return Fraction(1)
     unit = fractions[0]
     for f in fractions[1:]:
-        unit = Fraction(math.gcd(unit.numerator * f.denominator, f.numerator * unit.denominator), unit.denominator * f.denominator)
+        common = unit.denominator * f.denominator
+        unit = Fraction(math.gcd(unit.numerator * f.denominator, f.numerator * unit.denominator), common)
     return unit
 
 

@@ -25,7 +25,8 @@ F, B, I, W = ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W
 
 
 def _sizes(num_ranks: int, num_microbatches: int, stages_per_rank: int = 1) -> None:
-    for name, value in (("num_ranks", num_ranks), ("num_microbatches", num_microbatches), ("stages_per_rank", stages_per_rank)):
+    sizes = (("num_ranks", num_ranks), ("num_microbatches", num_microbatches), ("stages_per_rank", stages_per_rank))
+    for name, value in sizes:
         if not isinstance(value, int) or value < 1:
             raise ScheduleError(f"{name} must be an int >= 1, got {value!r}")
 
@@ -41,7 +42,8 @@ def gpipe(num_ranks: int, num_microbatches: int) -> PipelineSchedule:
     """
     _sizes(num_ranks, num_microbatches)
     rows = tuple(
-        tuple(Action(F, r, m) for m in range(num_microbatches)) + tuple(Action(B, r, m) for m in range(num_microbatches))
+        tuple(Action(F, r, m) for m in range(num_microbatches))
+        + tuple(Action(B, r, m) for m in range(num_microbatches))
         for r in range(num_ranks)
     )
     return PipelineSchedule(rows, num_microbatches, name="gpipe")
@@ -190,7 +192,9 @@ def _fsdp_actions(row: list[Action], num_microbatches: int, fsdp: bool, reduce_g
     return out
 
 
-def with_communication(schedule: PipelineSchedule, *, fsdp: bool = False, reduce_grad: bool | None = None) -> PipelineSchedule:
+def with_communication(
+    schedule: PipelineSchedule, *, fsdp: bool = False, reduce_grad: bool | None = None
+) -> PipelineSchedule:
     """Lower a compute-only schedule: add the point-to-point transfers between adjacent stages on
     different ranks (and, with `fsdp`, each stage's gather, free and gradient reduction).
 
@@ -223,7 +227,8 @@ def with_communication(schedule: PipelineSchedule, *, fsdp: bool = False, reduce
 
     def ready(rank: int, a: Action) -> bool:
         if a.kind is F and a.stage > 0:
-            return (ActionKind.RECV_F, a.stage, a.microbatch) in done[rank] or (F, a.stage - 1, a.microbatch) in done[rank]
+            received = (ActionKind.RECV_F, a.stage, a.microbatch) in done[rank]
+            return received or (F, a.stage - 1, a.microbatch) in done[rank]
         if a.kind in BACKWARD and a.stage < last:
             return (ActionKind.RECV_B, a.stage, a.microbatch) in done[rank] or any(
                 (k, a.stage + 1, a.microbatch) in done[rank] for k in BACKWARD

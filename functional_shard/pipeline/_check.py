@@ -44,6 +44,9 @@ class CheckResult(NamedTuple):
 
     order: tuple[tuple[int, Action], ...]  # a global order of (rank, action) in which the step can run
     backward: bool  # False for a forward-only schedule
+    # per stage, the micro-batches in the order their B/W add to the stage's gradients: floating-point
+    # sums depend on it; (0, 1, ..., M-1) everywhere gives the bits of GPipe and of fs's micro-batch loop
+    accumulation: tuple[tuple[int, ...], ...]
 
 
 def _fail(message: str, *actions: tuple[int | None, Action]) -> ScheduleError:
@@ -151,7 +154,8 @@ def _static(schedule: PipelineSchedule) -> bool:
             else:  # SEND / RECV
                 peer = a.peer_stage()
                 if not 0 <= peer < S:
-                    raise _fail(f"{_where(rank, i, a)} crosses to stage {peer}, which does not exist ({S} stages)", here)
+                    raise _fail(f"{_where(rank, i, a)} crosses to stage {peer}, which does not exist ({S} stages)",
+                                here)
                 if schedule.rank_of(peer) == rank:
                     raise _fail(f"{_where(rank, i, a)}: stages {a.stage} and {peer} are both on rank {rank}, which "
                                 "passes the tensor directly: drop it", here)
@@ -161,9 +165,11 @@ def _static(schedule: PipelineSchedule) -> bool:
                 p2p[bare] = (rank, i)
                 metas[bare] = a
                 if a.kind is K.SEND_F and key not in forwards:
-                    raise _fail(f"{_where(rank, i, a)} sends an activation before {a.stage}F{a.microbatch} computes it", here)
+                    raise _fail(f"{_where(rank, i, a)} sends an activation before {a.stage}F{a.microbatch} "
+                                "computes it", here)
                 if a.kind is K.SEND_B and key not in backwards:
-                    raise _fail(f"{_where(rank, i, a)} sends a cotangent before {a.stage}B/I{a.microbatch} computes it", here)
+                    raise _fail(f"{_where(rank, i, a)} sends a cotangent before {a.stage}B/I{a.microbatch} "
+                                "computes it", here)
                 if a.kind is K.RECV_F and key in forwards:
                     raise _fail(f"{_where(rank, i, a)} receives after {a.stage}F{a.microbatch} used it", here)
                 if a.kind is K.RECV_B and key in backwards:
@@ -182,12 +188,15 @@ def _static(schedule: PipelineSchedule) -> bool:
         rank = schedule.rank_of(s)
         for m in range(M):
             if (s, m) not in forwards:
-                raise _fail(f"stage {s} never forwards micro-batch {m}: rank {rank} lacks {s}F{m}", (rank, Action(K.F, s, m)))
+                raise _fail(f"stage {s} never forwards micro-batch {m}: rank {rank} lacks {s}F{m}",
+                            (rank, Action(K.F, s, m)))
             if any_backward and (s, m) not in backwards:
-                raise _fail(f"stage {s} never backwards micro-batch {m}: rank {rank} lacks {s}B{m} (or {s}I{m} + {s}W{m})",
+                raise _fail(f"stage {s} never backwards micro-batch {m}: rank {rank} lacks {s}B{m} "
+                            f"(or {s}I{m} + {s}W{m})",
                             (rank, Action(K.B, s, m)))
             if (s, m) in backwards and backwards[(s, m)][1].kind is K.I and (s, m) not in weights:
-                raise _fail(f"rank {rank} runs {s}I{m} but never its weight gradient {s}W{m}", (rank, Action(K.W, s, m)))
+                raise _fail(f"rank {rank} runs {s}I{m} but never its weight gradient {s}W{m}",
+                            (rank, Action(K.W, s, m)))
     if lowered:
         _check_transfers(schedule, p2p, metas)
     return any_backward
@@ -309,7 +318,7 @@ def _deadlock(schedule: PipelineSchedule, pc: list[int], needs) -> ScheduleError
     parts = []
     for n, rank in enumerate(cycle):
         at, want, peer = waits[rank]
-        lead = f"rank {rank} waits at {at} (action {pc[rank]})" if n == 0 else f"which waits at {at} (action {pc[rank]})"
+        lead = ("rank {} waits" if n == 0 else "which waits").format(rank) + f" at {at} (action {pc[rank]})"
         if peer == rank:
             parts.append(f"{lead} for its own {want}, which comes later in its list")
         else:
@@ -347,4 +356,9 @@ def check(
         raise ScheduleError(f"sends must be 'nonblocking' or 'rendezvous', got {sends!r}")
     _expect(schedule, num_ranks, num_stages, num_microbatches)
     backward = _static(schedule)
-    return CheckResult(_simulate(schedule, sends), backward)
+    order = _simulate(schedule, sends)
+    accumulation = tuple(
+        tuple(a.microbatch for a in schedule.actions[schedule.rank_of(s)] if a.stage == s and a.kind in (K.B, K.W))
+        for s in range(schedule.num_stages)
+    )
+    return CheckResult(order, backward, accumulation)
