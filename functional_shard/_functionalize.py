@@ -23,7 +23,9 @@ def functionalize(module: nn.Module) -> tuple[Callable[..., Any], ModuleParams]:
     Returns `(apply_fn, params)`:
         params: a `ModuleParams` holding copies of the module's tensors: trainable parameters
             (tied ones once, under their first name), frozen parameters (`requires_grad=False`)
-            and buffers, each by its state-dict name.
+            and buffers, each by its state-dict name; it also names the parameters of BatchNorm
+            modules (`nn.modules.batchnorm._BatchNorm`), which `fs.Precision` keeps in their own
+            dtype by default.
         apply_fn(params, *args, **kwargs): `module(*args, **kwargs)` computed with the tensors
             in `params` (`torch.func.functional_call`). Buffers that the module updates in place
             (BatchNorm running statistics) are updated in `params`' buffers: give it copies if you
@@ -54,8 +56,21 @@ def functionalize(module: nn.Module) -> tuple[Callable[..., Any], ModuleParams]:
                 continue
             first_name[id(b)] = name
             buffers[name] = b.detach().clone()
+    # Parameters of BatchNorm modules: mixed precision keeps them in their own dtype by default.
+    batch_norm = [
+        first_name[id(p)]
+        for sub in module.modules()
+        if isinstance(sub, nn.modules.batchnorm._BatchNorm)
+        for p in sub._parameters.values()
+        if p is not None
+    ]
     params = ModuleParams(
-        trainable, frozen, buffers, aliases=tuple(dict.fromkeys(aliases)), non_persistent=tuple(dict.fromkeys(non_persistent))
+        trainable,
+        frozen,
+        buffers,
+        aliases=tuple(dict.fromkeys(aliases)),
+        non_persistent=tuple(dict.fromkeys(non_persistent)),
+        batch_norm=tuple(dict.fromkeys(batch_norm)),
     )
 
     def modes() -> tuple[bool, ...]:

@@ -269,8 +269,11 @@ def scheduled_step(
         scheduled = copy_graph_module(gm)
         lower_for_mesh(gm, mesh, in_place=schedule.gradients_in_place and not schedule.compile)
         events = schedule_lib.analyze(gm)
-        kinds = {"gather_issued": "all_gather", "reduce_scatter_issued": "reduce_scatter", "all_reduce_issued": "all_reduce"}
-        sequence = [f"{kinds[e.event]} of {e.buffer or 'a value'} ({e.nbytes} bytes)" for e in events if e.event in kinds]
+        kinds = {
+            "gather_issued": "all_gather", "reduce_scatter_issued": "reduce_scatter", "all_reduce_issued": "all_reduce"
+        }
+        issued = [e for e in events if e.event in kinds]
+        sequence = [f"{kinds[e.event]} of {e.buffer or 'a value'} ({e.nbytes} bytes)" for e in issued]
         run = torch.compile(gm, backend="inductor", fullgraph=True, dynamic=False) if schedule.compile else runnable(gm)
     except BaseException:
         retained.forget()

@@ -19,8 +19,8 @@ from typing import Any, Sequence
 import optree
 import torch
 
-from ._pytree import tree_flatten, tree_paths
-from ._tree import BUFFER, TRAINABLE, leaf_roles
+from ._pytree import NAMESPACE, tree_flatten, tree_paths
+from ._tree import BUFFER, TRAINABLE, ModuleParams, leaf_roles
 from ._units import Units, assign_units
 
 __all__ = ["BufferSpec", "Layout", "make_layout", "check_leaves_match", "LayoutError"]
@@ -174,7 +174,8 @@ def make_layout(
             default `fs.BlockUnits()` (one unit per repeated block, `input` and `output` for
             the leaves before and after the blocks).
         precision: an `fs.Precision` giving each leaf its gather and reduce dtypes (leaves of a
-            unit that differ in them get buffers of their own); None: their own dtype.
+            unit that differ in them get buffers of their own; parameters of BatchNorm modules,
+            as a `ModuleParams` names them, keep theirs by default); None: their own dtype.
 
     Raises `LayoutError` naming the path of a leaf that is not a tensor, or that the policy
     gives no unit name (a str).
@@ -182,6 +183,7 @@ def make_layout(
     leaves, treedef = tree_flatten(tree)
     paths = tree_paths(tree)
     roles = leaf_roles(tree)
+    batch_norm = _batch_norm_leaves(tree)
     for path, leaf in zip(paths, leaves):
         if not isinstance(leaf, torch.Tensor):
             raise LayoutError(
@@ -209,7 +211,12 @@ def make_layout(
         path, leaf, role, unit = paths[i], leaves[i], roles[i], unit_of[i]
         # Only floating leaves can be differentiated; others are carried like frozen ones.
         trainable = role == TRAINABLE and leaf.dtype.is_floating_point
-        gather, reduce = precision.dtypes(path, unit, leaf.dtype) if precision is not None else (leaf.dtype, leaf.dtype)
+        if precision is None:
+            gather, reduce = leaf.dtype, leaf.dtype
+        elif batch_norm[i]:
+            gather, reduce = precision.dtypes(path, unit, leaf.dtype, batch_norm=True)
+        else:
+            gather, reduce = precision.dtypes(path, unit, leaf.dtype)
         groups.setdefault((unit, trainable, leaf.dtype, gather, reduce), []).append(i)
     per_unit_role: dict[tuple[str, bool], list[tuple]] = {}
     for unit, trainable, *dtypes in groups:
@@ -250,6 +257,29 @@ def make_layout(
         num_shards=num_shards,
     )
     return layout, leaves
+
+
+def _batch_norm_leaves(tree: Any) -> list[bool]:
+    """Per leaf of `tree` (flatten order): whether a `ModuleParams` names it a parameter of a
+    BatchNorm module (`fs.functionalize` records them)."""
+
+    def flags(node: Any) -> Any:
+        if not isinstance(node, ModuleParams):
+            return False
+        named = set(node.batch_norm)
+        return ModuleParams(
+            {k: k in named for k in node.trainable},
+            {k: k in named for k in node.frozen},
+            {k: False for k in node.buffers},
+            aliases=node.aliases,
+            non_persistent=node.non_persistent,
+            batch_norm=node.batch_norm,
+        )
+
+    flag_tree = optree.tree_map(
+        flags, tree, is_leaf=lambda x: isinstance(x, ModuleParams), none_is_leaf=False, namespace=NAMESPACE
+    )
+    return tree_flatten(flag_tree)[0]
 
 
 def check_leaves_match(layout: Layout, leaves: Sequence[torch.Tensor], what: str) -> None:

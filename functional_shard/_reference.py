@@ -31,7 +31,7 @@ from . import _tracing
 from ._collectives import ReduceScatterFlat
 from ._layout import Layout
 from ._mesh import BaseMesh
-from ._pytree import tree_flatten, tree_map, tree_unflatten
+from ._pytree import tree_flatten, tree_map, tree_paths, tree_unflatten
 from ._shard import gather_buffer, gather_full
 from .optim import LeafLayout, global_norm
 
@@ -140,12 +140,13 @@ def split_microbatches(batch: Any, k: int, dtype: torch.dtype | None = None) -> 
         return [batch]
     leaves, structure = tree_flatten(batch)
     parts = []
-    for leaf in leaves:
+    for index, leaf in enumerate(leaves):
         if isinstance(leaf, torch.Tensor):
             if leaf.ndim == 0 or leaf.shape[0] % k:
+                path = tree_paths(batch)[index]
                 raise StepError(
-                    f"microbatches={k} must divide the leading dimension of every tensor of the batch; a leaf has "
-                    f"shape {list(leaf.shape)}"
+                    f"microbatches={k} must divide the leading dimension of every tensor of the batch; batch leaf "
+                    f"{path!r} has shape {list(leaf.shape)}: make its leading dimension a multiple of {k}"
                 )
             parts.append(leaf.chunk(k))
         else:
@@ -310,10 +311,29 @@ def _grad(local_loss, diff: tuple, local, seed=None) -> tuple[tuple, Any]:
     with _no_torch_checkpoint():
         # torch.func.vjp with argnums: `local` is an input of the transformed function (so it
         # may be written in place), not differentiated.
-        objective, vjp_fn, extras = _vjp_with_argnums(local_loss, diff, local, argnums=0, has_aux=True)
+        checked = _reaching(local_loss)
+        objective, vjp_fn, extras = _vjp_with_argnums(checked, diff, local, argnums=0, has_aux=True)
         cotangent = seed(extras) if seed is not None else None
         grads = vjp_fn(torch.ones_like(objective) if cotangent is None else cotangent, retain_graph=False, create_graph=False)
     return grads, extras
+
+
+def _reaching(local_loss):
+    """`local_loss`, raising StepError where its objective depends on none of the differentiated
+    inputs (inside torch.func's transform, `requires_grad` says exactly that, traced or not)."""
+
+    def checked(diff, local):
+        objective, extras = local_loss(diff, local)
+        if diff and isinstance(objective, torch.Tensor) and not objective.requires_grad:
+            raise StepError(
+                "loss_fn's loss does not depend on any trainable parameter of the params it is given, so the step "
+                "would train nothing (every gradient 0). Compute it from that argument: apply_fn(params, x) with the "
+                "apply_fn of fs.functionalize(model), not model(x) (the module's own tensors, which the step neither "
+                "gathers nor updates); and do not detach the parameters or compute them under torch.no_grad()"
+            )
+        return objective, extras
+
+    return checked
 
 
 _TORCH_CHECKPOINT = os.path.join("torch", "utils", "checkpoint.py")

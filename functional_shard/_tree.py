@@ -31,13 +31,15 @@ class ModuleParams(Mapping):
         aliases: `(alias, name)` pairs: a second name under which the module's state dict holds
             the same tensor (tied weights); used by `fs.export`.
         non_persistent: names of buffers that the module's state dict leaves out.
+        batch_norm: names of parameters of BatchNorm modules, which mixed precision keeps
+            in their own dtype unless told otherwise (`fs.Precision.keep_batch_norm`).
 
     It reads like one mapping from every name (trainable, frozen and buffer) to its tensor.
     As a pytree its leaves are the trainable, then frozen, then buffer tensors, each keyed by
     its name; names, roles and aliases are static structure.
     """
 
-    __slots__ = ("trainable", "frozen", "buffers", "aliases", "non_persistent")
+    __slots__ = ("trainable", "frozen", "buffers", "aliases", "non_persistent", "batch_norm")
 
     def __init__(
         self,
@@ -47,12 +49,14 @@ class ModuleParams(Mapping):
         *,
         aliases: tuple[tuple[str, str], ...] = (),
         non_persistent: tuple[str, ...] = (),
+        batch_norm: tuple[str, ...] = (),
     ):
         self.trainable = dict(trainable)
         self.frozen = dict(frozen or {})
         self.buffers = dict(buffers or {})
         self.aliases = tuple(aliases)
         self.non_persistent = tuple(non_persistent)
+        self.batch_norm = tuple(batch_norm)
         seen: set[str] = set()
         for name in (*self.trainable, *self.frozen, *self.buffers):
             if name in seen:
@@ -83,14 +87,15 @@ class ModuleParams(Mapping):
         )
 
     def _structure(self) -> tuple:
-        return (tuple(self.trainable), tuple(self.frozen), tuple(self.buffers), self.aliases, self.non_persistent)
+        names = (tuple(self.trainable), tuple(self.frozen), tuple(self.buffers))
+        return (*names, self.aliases, self.non_persistent, self.batch_norm)
 
     def _children(self) -> list:
         return [*self.trainable.values(), *self.frozen.values(), *self.buffers.values()]
 
     @classmethod
     def _rebuild(cls, structure: tuple, children) -> "ModuleParams":
-        trainable_names, frozen_names, buffer_names, aliases, non_persistent = structure
+        trainable_names, frozen_names, buffer_names, aliases, non_persistent, batch_norm = structure
         children = list(children)
         a, b = len(trainable_names), len(trainable_names) + len(frozen_names)
         return cls(
@@ -99,6 +104,7 @@ class ModuleParams(Mapping):
             dict(zip(buffer_names, children[b:])),
             aliases=aliases,
             non_persistent=non_persistent,
+            batch_norm=batch_norm,
         )
 
     def roles(self) -> "ModuleParams":
@@ -109,6 +115,7 @@ class ModuleParams(Mapping):
             {k: BUFFER for k in self.buffers},
             aliases=self.aliases,
             non_persistent=self.non_persistent,
+            batch_norm=self.batch_norm,
         )
 
     def state_dict(self) -> dict[str, Any]:

@@ -123,11 +123,18 @@ class Precision:
         reduce_dtype: the dtype gradients are reduce-scattered in; None means `param_dtype`
             (or the buffer's dtype), as in FSDP2.
         full_precision: leaves kept in their own dtype: a tuple of glob patterns matched
-            against leaf paths and unit names (e.g. `("*norm*",)`), or a function
-            `path -> bool`. They form buffers of their own within their unit.
+            against leaf paths and unit names (e.g. `("*.ln_f.*", "output")`: a pattern matches
+            the whole path), or a function `path -> bool`. They form buffers of their own
+            within their unit.
         loss_scale: dynamic loss scaling (`LossScale()`), needed for float16.
         cast_inputs: cast the batch's floating tensors to `param_dtype` before `loss_fn`
             sees them (FSDP2's `cast_forward_inputs`), so that the forward computes in it.
+        keep_batch_norm: keep the parameters of BatchNorm modules (`nn.BatchNorm1d/2d/3d`,
+            `SyncBatchNorm`: `fs.functionalize` names them) in their own dtype, as FSDP1's
+            `MixedPrecision` does by default: their running statistics are module buffers,
+            never cast, and torch's batch norm takes a `param_dtype` input with float32
+            weights and statistics, not bfloat16 weights with float32 statistics. False
+            gathers them in `param_dtype` like every other leaf.
     """
 
     param_dtype: torch.dtype | None = None
@@ -135,6 +142,7 @@ class Precision:
     full_precision: tuple[str, ...] | Callable[[str], bool] = ()
     loss_scale: LossScale | None = None
     cast_inputs: bool = True
+    keep_batch_norm: bool = True
 
     def __post_init__(self) -> None:
         _check_floating("param_dtype", self.param_dtype)
@@ -145,6 +153,8 @@ class Precision:
                 raise ValueError(f"Precision.full_precision must hold glob patterns (str); got {self.full_precision!r}")
         elif not callable(self.full_precision):
             raise ValueError(f"Precision.full_precision must be a tuple of patterns or a function; got {self.full_precision!r}")
+        if not isinstance(self.keep_batch_norm, bool):
+            raise ValueError(f"Precision.keep_batch_norm must be True or False; got {self.keep_batch_norm!r}")
         if self.loss_scale is not None and not isinstance(self.loss_scale, LossScale):
             raise ValueError(f"Precision.loss_scale must be an fs.LossScale or None; got {self.loss_scale!r}")
         if self.param_dtype == torch.float16 and self.loss_scale is None:
@@ -153,9 +163,12 @@ class Precision:
                 "loss_scale=fs.LossScale(), or use torch.bfloat16"
             )
 
-    def dtypes(self, path: str, unit: str, dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
-        """(gather dtype, reduce dtype) of a leaf of `dtype` at `path` in `unit`."""
-        if not dtype.is_floating_point or self._keeps(path, unit):
+    def dtypes(
+        self, path: str, unit: str, dtype: torch.dtype, *, batch_norm: bool = False
+    ) -> tuple[torch.dtype, torch.dtype]:
+        """(gather dtype, reduce dtype) of a leaf of `dtype` at `path` in `unit` (`batch_norm`:
+        a parameter of a BatchNorm module)."""
+        if not dtype.is_floating_point or (batch_norm and self.keep_batch_norm) or self._keeps(path, unit):
             return dtype, dtype
         gather = self.param_dtype or dtype
         return gather, self.reduce_dtype or gather
