@@ -14,6 +14,13 @@ from ._autotune import TuneResult as TuneResult
 from ._autotune import autotune as autotune
 from ._analyze import Analysis as Analysis
 from ._calibrate import calibrate as calibrate
+from ._cluster import A100_SXM_80GB as A100_SXM_80GB
+from ._cluster import FITTED as FITTED
+from ._cluster import GPU as GPU
+from ._cluster import H100_SXM as H100_SXM
+from ._cluster import H100_SXM_HBM2E as H100_SXM_HBM2E
+from ._cluster import Efficiency as Efficiency
+from ._cluster import cluster_machine as cluster_machine
 from ._machine import Machine as Machine
 from ._machine import h100_sxm as h100_sxm
 from ._machine import load_machine as load_machine
@@ -31,4 +38,4 @@ from ._timeline import plot_gantt as plot_gantt
 from ._timeline import profile as profile
 from ._timeline import save_chrome_trace as save_chrome_trace
 
-__all__ = ["AbstractMesh", "Analysis", "SearchSpace", "TuneCandidate", "TuneResult", "autotune", "CollectiveCost", "MemoryBreakdown", "Machine", "MemoryEstimate", "Profile", "Simulation", "TraceEvent", "UnitCost", "abstract_state", "analyze", "calibrate", "chrome_trace", "h100_sxm", "load_machine", "plan", "plot_gantt", "profile", "save_chrome_trace", "simulate"]
+__all__ = ["A100_SXM_80GB", "Efficiency", "FITTED", "GPU", "H100_SXM", "H100_SXM_HBM2E", "cluster_machine", "AbstractMesh", "Analysis", "SearchSpace", "TuneCandidate", "TuneResult", "autotune", "CollectiveCost", "MemoryBreakdown", "Machine", "MemoryEstimate", "Profile", "Simulation", "TraceEvent", "UnitCost", "abstract_state", "analyze", "calibrate", "chrome_trace", "h100_sxm", "load_machine", "plan", "plot_gantt", "profile", "save_chrome_trace", "simulate"]

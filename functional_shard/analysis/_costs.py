@@ -45,6 +45,9 @@ class NodeCost(NamedTuple):
     numel: int = 0  # elements of its largest tensor input or output (what a CPU kernel loops over)
     kind: str = "elementwise"  # its class of kernel (`op_class`)
     ops: int = 0  # arithmetic the flop registry does not count (`elementwise_ops`)
+    dtype: str = ""  # dtype of its first tensor output ("bfloat16", "float32", ...): which peak its FLOPs run at
+    attention: bool = False  # a fused attention kernel (`_scaled_dot_product_*`, forward or backward)
+    causal: bool = False  # ... called causal: the kernel skips the masked half of the FLOPs torch counts
 
 
 # Classes of kernels whose time per element differs by several times on a CPU: a `Machine`
@@ -162,4 +165,18 @@ def node_cost(node: fx.Node) -> NodeCost:
     kind = op_class(node)
     name = getattr(packet, "__name__", "")
     ops = 0 if flops else elementwise_ops(kind, name, inputs, outputs)
-    return NodeCost(flops, traffic, flops > 0, numel, kind, ops)
+    attention = "scaled_dot_product" in name
+    causal = attention and bool(_argument(node, "is_causal"))
+    dtype = str(outputs[0].dtype).removeprefix("torch.") if outputs else ""
+    return NodeCost(flops, traffic, flops > 0, numel, kind, ops, dtype, attention, causal)
+
+
+def _argument(node: fx.Node, name: str):
+    """The value of argument `name` of a call, positional or keyword (None when absent)."""
+    if name in node.kwargs:
+        return node.kwargs[name]
+    schema = getattr(node.target, "_schema", None)
+    for i, argument in enumerate(schema.arguments if schema is not None else ()):
+        if argument.name == name:
+            return node.args[i] if i < len(node.args) else argument.default_value
+    return None

@@ -11,6 +11,8 @@ the share of its input bytes the simulator finds still cached; else the larger o
 dispatch overhead and its bytes at memory bandwidth (a roofline). Communication: an alpha-beta model per collective kind, with bus bandwidth
 (the ring algorithms' convention): an all-gather or reduce-scatter of a full buffer of `n`
 bytes over `p` ranks takes `latency + (p - 1) / p * n / bandwidth`; an all-reduce twice that.
+A machine of several nodes (`ranks_per_node`, `network_bandwidth`: `cluster_machine`) prices a
+group that spans nodes hierarchically, as NCCL's rings do (see `Machine.collective_seconds`).
 """
 
 from __future__ import annotations
@@ -76,6 +78,20 @@ class Machine:
             `op_seconds` curve however recent its inputs.
         cache_bytes: how many bytes one rank may touch between two uses of a tensor and still
             find it cached (its share of the last-level cache); 0: no cache model.
+        ranks_per_node: GPUs per node joined by `collective_bandwidth` (NVLink); 0: one flat
+            network (every group priced by `collective_bandwidth`).
+        network_bandwidth: bytes/s each rank sends and receives between nodes (its NIC's
+            share, bus efficiency included); used for groups larger than `ranks_per_node`.
+        network_latency_s: latency added per doubling of the nodes a group spans.
+        matmul_dtype_scale: dtype name -> its dense peak over the peak `matmul_flops` was
+            made for (e.g. {"float32": 0.0676} on an H100: 66.9 of 989 TFLOP/s); a matrix
+            product of a dtype not listed runs at `matmul_flops`.
+        attention_flops: FLOP/s a fused attention kernel (`_scaled_dot_product_*`, forward or
+            backward) reaches on the FLOPs it does (a causal call skips half of those torch
+            counts); 0: priced as a matrix product.
+        allocator_overhead: what the CUDA caching allocator reserves beyond the bytes alive at
+            the peak, as a fraction of them (`Simulation.reserved`): fragmentation of its
+            segments and the rounding of blocks.
     """
 
     name: str
@@ -92,6 +108,12 @@ class Machine:
     issue_seconds_per_byte: float = 0.0
     op_seconds_hot: dict = dataclasses.field(default_factory=dict)
     cache_bytes: int = 0
+    ranks_per_node: int = 0
+    network_bandwidth: float = 0.0
+    network_latency_s: float = 0.0
+    matmul_dtype_scale: dict = dataclasses.field(default_factory=dict)
+    attention_flops: float = 0.0
+    allocator_overhead: float = 0.0
 
     def __post_init__(self) -> None:
         for field in ("op_seconds", "op_seconds_hot"):
@@ -112,6 +134,13 @@ class Machine:
         for kind in ("all_gather", "reduce_scatter", "all_reduce"):
             if kind not in self.collective_bandwidth or kind not in self.collective_latency_s:
                 raise ValueError(f"Machine needs a latency and a bandwidth for {kind!r}; got {sorted(self.collective_bandwidth)}")
+        if self.ranks_per_node < 0 or (self.ranks_per_node and self.network_bandwidth <= 0):
+            raise ValueError(
+                f"Machine.ranks_per_node ({self.ranks_per_node}) needs a positive network_bandwidth between nodes; "
+                f"got {self.network_bandwidth}"
+            )
+        if self.allocator_overhead < 0:
+            raise ValueError(f"Machine.allocator_overhead must be >= 0; got {self.allocator_overhead}")
         if not 0.0 <= self.overlap_penalty <= 1.0:
             raise ValueError(f"Machine.overlap_penalty must be in [0, 1]; got {self.overlap_penalty}")
 
@@ -119,13 +148,16 @@ class Machine:
         return hash((self.name, self.matmul_flops, self.memory_bandwidth))
 
     def compute_seconds(
-        self, flops: int, nbytes: int, *, view: bool = False, kind: str = "", numel: int = 0, cached: float = 0.0
+        self, flops: int, nbytes: int, *, view: bool = False, kind: str = "", numel: int = 0, cached: float = 0.0,
+        dtype: str = "", attention: bool = False, causal: bool = False,
     ) -> float:
         """The time of one node: a view's overhead; a non-product of a class in `op_seconds`,
         that curve at `numel` elements (moved toward its `op_seconds_hot` curve by `cached`,
         the share of its input bytes still in the caches); else max(overhead, FLOPs /
         throughput, bytes / bandwidth). The throughputs are what whole calls reach at that
-        size (dispatch included), so the overhead is a floor, not an addend."""
+        size (dispatch included), so the overhead is a floor, not an addend. A fused attention
+        kernel (`attention`) runs at `attention_flops` when the machine has it, on half its
+        FLOPs when `causal`; a product's throughput is scaled by `matmul_dtype_scale[dtype]`."""
         if view:
             return self.view_overhead_s
         if not flops and kind in self.op_seconds:
@@ -134,16 +166,35 @@ class Machine:
                 return cold
             return cold + min(cached, 1.0) * (_interpolate_seconds(self.op_seconds_hot[kind], max(numel, 1)) - cold)
         seconds = nbytes / _interpolate(self.memory_bandwidth, max(nbytes, 1))
-        if flops:
-            seconds = max(seconds, flops / _interpolate(self.matmul_flops, flops))
+        if flops and attention and self.attention_flops:
+            seconds = max(seconds, (flops / 2 if causal else flops) / self.attention_flops)
+        elif flops:
+            rate = _interpolate(self.matmul_flops, flops) * self.matmul_dtype_scale.get(dtype, 1.0)
+            seconds = max(seconds, flops / rate)
         return max(self.op_overhead_s, seconds)
 
     def collective_seconds(self, kind: str, nbytes: int, group_size: int) -> float:
-        """The time of one collective moving a full buffer of `nbytes` over `group_size` ranks."""
+        """The time of one collective moving a full buffer of `nbytes` over `group_size` ranks.
+
+        Within a node (or with `ranks_per_node` 0) a ring: `latency + (p - 1) / p * n /
+        bandwidth`, twice the bytes for an all-reduce. A group of `p = g * m` ranks over `m`
+        nodes of `g` (the group's ranks taken node by node) is priced as the two-level ring:
+        within each node over NVLink, `(g - 1) / g * n / bandwidth`, plus between nodes, where
+        each of the node's `g` ranks carries `1 / g` of the data over its own NIC (NCCL's
+        channels, one per NIC on a rail-optimized network): `(m - 1) / m * n / (g *
+        network_bandwidth)`; latency `latency + network_latency_s * log2(m)`.
+        """
+        latency = self.collective_latency_s[kind]
         if group_size <= 1:
-            return self.collective_latency_s[kind]
-        share = (group_size - 1) / group_size * (2 if kind == "all_reduce" else 1)
-        return self.collective_latency_s[kind] + share * nbytes / self.collective_bandwidth[kind]
+            return latency
+        factor = 2 if kind == "all_reduce" else 1
+        per_node = self.ranks_per_node
+        if not per_node or group_size <= per_node:
+            return latency + factor * (group_size - 1) / group_size * nbytes / self.collective_bandwidth[kind]
+        nodes = math.ceil(group_size / per_node)
+        within = (per_node - 1) / per_node * nbytes / self.collective_bandwidth[kind]
+        between = (nodes - 1) / nodes * nbytes / (per_node * self.network_bandwidth)
+        return latency + self.network_latency_s * math.log2(nodes) + factor * (within + between)
 
     def to_json(self) -> str:
         """The machine as JSON text (what `save` writes and `load_machine` reads)."""

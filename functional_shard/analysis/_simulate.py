@@ -53,6 +53,7 @@ class Simulation(NamedTuple):
     phases: dict  # "forward" / "backward" / "update" -> seconds of the compute stream in it
     memory: MemoryEstimate  # predicted peak memory (from the lifetimes)
     timeline: tuple  # TraceEvents of the predicted step (same shape as a measured profile's)
+    reserved: int = 0  # peak memory as the CUDA caching allocator reserves it: memory.peak x (1 + machine.allocator_overhead)
 
     def as_profile(self) -> Profile:
         """The prediction as a one-rank `Profile`, for `chrome_trace` and `plot_gantt`."""
@@ -109,7 +110,8 @@ def simulate(compiled, machine: Machine, *, world_size: int | None = None) -> Si
         elif node in costs:
             cost = costs[node]
             seconds = machine.compute_seconds(
-                cost.flops, cost.bytes, view=cost.kind == "view", kind=cost.kind, numel=cost.numel, cached=cached
+                cost.flops, cost.bytes, view=cost.kind == "view", kind=cost.kind, numel=cost.numel, cached=cached,
+                dtype=cost.dtype, attention=cost.attention, causal=cost.causal,
             )
             overlap = min(seconds, max(0.0, comm_free - t))
             seconds += machine.overlap_penalty * overlap
@@ -121,14 +123,16 @@ def simulate(compiled, machine: Machine, *, world_size: int | None = None) -> Si
             compute_s += seconds
     for phase, (start, end) in spans.items():
         events.append(TraceEvent(phase, "phase", COMPUTE, start * 1e6, (end - start) * 1e6, "", phase))
+    memory = estimate_memory(gm, roles, compiled.io)
     return Simulation(
         step_s=t,
         compute_s=compute_s,
         communication_s=comm_busy,
         exposed_s=exposed,
         phases=phases,
-        memory=estimate_memory(gm, roles, compiled.io),
+        memory=memory,
         timeline=tuple(sorted(events, key=lambda e: (e.start_us, -e.duration_us))),
+        reserved=round(memory.peak * (1 + machine.allocator_overhead)),
     )
 
 

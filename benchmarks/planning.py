@@ -1,0 +1,185 @@
+"""Predict torchtitan's published FSDP runs (docs/planning.md): plan each on an abstract mesh,
+simulate it on the cluster machine model, print published against predicted.
+
+    python benchmarks/planning.py [--rows 8b-h100-8,8b-h100-128] [--fit]
+
+Each row builds its Llama from a Hugging Face `LlamaConfig` on the meta device (nothing is
+allocated), with attention as the fused flash kernel torchtitan runs
+(`aten._scaled_dot_product_flash_attention`, causal: keys and values repeated for grouped
+queries, as torchtitan's `repeat_kv`), plans one step with `fs.analysis.plan` on an
+`AbstractMesh({"fsdp": N})` (bf16 parameters and compute, fp32 gradient reduction, AdamW,
+the row's activation checkpointing), and simulates it with `fs.analysis.cluster_machine`.
+`--fit` refits the one fitted constant (matmul efficiency) on the Table 1 "FSDP" row and prints it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+import functional_shard as fs
+
+# Llama shapes (torchtitan's model args: Llama 2 and Llama 3 / 3.1).
+SHAPES = {
+    "llama3_8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=8, vocab_size=128256),
+    "llama3_70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                       num_key_value_heads=8, vocab_size=128256),
+    "llama2_13b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=40, num_attention_heads=40,
+                       num_key_value_heads=40, vocab_size=32000),
+    "llama2_70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                       num_key_value_heads=8, vocab_size=32000),
+}
+
+
+class Row(NamedTuple):
+    """One published torchtitan run (FSDP only, no Float8, no torch.compile)."""
+
+    name: str  # short label
+    source: str  # where it is published
+    model: str  # key of SHAPES
+    gpu: str  # "h100" (Grand Teton: HBM2e, 500 W) or "a100"
+    world: int  # GPUs (all on the fsdp axis)
+    batch: int  # local batch (sequences per GPU)
+    sequence: int  # tokens per sequence
+    remat: str  # "none", "full" or "selective op"
+    tps: float  # published tokens per second per GPU
+    memory_gib: float | None  # published peak memory per GPU (max reserved), GiB; None: not published
+
+
+TABLE1 = "torchtitan docs/performance.md (Dec 2024), Table 1"
+ROWS = (
+    Row("8b-h100-8", TABLE1, "llama3_8b", "h100", 8, 2, 8192, "selective op", 5762, 82.4),
+    Row("8b-h100-128", "torchtitan docs/performance.md (Dec 2024), Table 3", "llama3_8b", "h100", 128, 2, 8192,
+        "selective op", 5605, 67.0),
+    Row("l3-8b-a100-64", "torchtitan docs/performance.md (2024), Llama 3 table", "llama3_8b", "a100", 64, 1, 8192,
+        "selective op", 2973, None),
+    Row("l2-13b-a100-64-none", "torchtitan docs/performance.md (2024), Llama 2 table", "llama2_13b", "a100", 64, 2, 4096,
+        "none", 2162, None),
+    Row("l2-13b-a100-64-op", "torchtitan docs/performance.md (2024), Llama 2 table", "llama2_13b", "a100", 64, 2, 4096,
+        "selective op", 1904, None),
+    Row("l2-70b-a100-64-op", "torchtitan docs/performance.md (2024), Llama 2 table", "llama2_70b", "a100", 64, 1, 4096,
+        "selective op", 355, None),
+    Row("l2-70b-a100-64-full", "torchtitan docs/performance.md (2024), Llama 2 table", "llama2_70b", "a100", 64, 2, 4096,
+        "full", 353, None),
+    Row("l3-70b-a100-64-full", "torchtitan docs/performance.md (2024), Llama 3 table", "llama3_70b", "a100", 64, 1, 8192,
+        "full", 331, None),
+)
+
+
+def _flash_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """Causal attention as the fused flash kernel (what torchtitan's SDPA runs on an H100/A100);
+    query (b, heads, s, d), key and value (b, kv heads, s, d) repeated to the query's heads."""
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    out = torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, 0.0, True, False, scale=scaling)[0]
+    return out.transpose(1, 2).contiguous(), None
+
+
+def build_llama(model: str, sequence: int):
+    """(apply_fn, params) of a Llama of `SHAPES[model]` on the meta device, bf16, flash attention."""
+    from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
+
+    AttentionInterface.register("fs_fused_attention", _flash_attention)
+    config = LlamaConfig(**SHAPES[model], max_position_embeddings=sequence, rope_theta=500000.0,
+                         tie_word_embeddings=False, attn_implementation="fs_fused_attention", dtype=torch.float32)
+    with torch.device("meta"):
+        llama = LlamaForCausalLM(config)
+    return fs.functionalize(llama)
+
+
+def llama_loss(apply_fn):
+    def loss_fn(p, batch):
+        ids, labels = batch
+        logits = apply_fn(p, input_ids=ids, use_cache=False).logits
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+    return loss_fn
+
+
+def remat_of(remat: str):
+    return {"none": False, "full": True, "selective op": fs.schedule.RematPolicy(every_other_mm=True)}[remat]
+
+
+def plan_row(row: Row):
+    """(analysis, compiled, planning seconds) of one row's step, planned on an abstract mesh."""
+    start = time.perf_counter()
+    apply_fn, params = build_llama(row.model, row.sequence)
+    ids = torch.empty(row.batch, row.sequence, dtype=torch.long, device="meta")
+    analysis, compiled = fs.analysis.plan(
+        llama_loss(apply_fn), params, (ids, ids), mesh=fs.analysis.AbstractMesh({"fsdp": row.world}),
+        optimizer=fs.optim.adamw(lr=3e-4, weight_decay=0.1),
+        precision=fs.Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+        schedule=fs.Schedule(remat=remat_of(row.remat)),
+    )
+    return analysis, compiled, time.perf_counter() - start
+
+
+def machine_of(row: Row, efficiency=None):
+    """The row's cluster: Grand Teton H100s (400 Gb/s per GPU) or A100 80GB (200 Gb/s per GPU)."""
+    gpu, gbps = (fs.analysis.H100_SXM_HBM2E, 400.0) if row.gpu == "h100" else (fs.analysis.A100_SXM_80GB, 200.0)
+    return fs.analysis.cluster_machine(gpu, world_size=row.world, network_gbps=gbps, efficiency=efficiency or fs.analysis.FITTED)
+
+
+class Prediction(NamedTuple):
+    """One row predicted."""
+
+    tps: float  # tokens per second per GPU
+    mfu: float  # model FLOPs utilization: the step's FLOPs (torch's count, attention halved when causal) / time / bf16 peak
+    reserved_gib: float  # peak memory as the caching allocator reserves it
+    allocated_gib: float  # peak bytes alive (the analysis' peak)
+    step_s: float  # predicted step time
+    exposed_s: float  # communication not hidden behind computation
+
+
+def predict(row: Row, analysis, compiled, efficiency=None) -> Prediction:
+    machine = machine_of(row, efficiency)
+    sim = fs.analysis.simulate(compiled, machine)
+    peak = (fs.analysis.H100_SXM_HBM2E if row.gpu == "h100" else fs.analysis.A100_SXM_80GB).dense_flops["bfloat16"]
+    return Prediction(
+        tps=row.batch * row.sequence / sim.step_s,
+        mfu=analysis.flops / sim.step_s / peak,
+        reserved_gib=sim.reserved / 2**30,
+        allocated_gib=sim.memory.peak / 2**30,
+        step_s=sim.step_s,
+        exposed_s=sim.exposed_s,
+    )
+
+
+def fit(row: Row, analysis, compiled):
+    """The matmul efficiency that predicts the row's TPS (bisection), and the allocator overhead
+    that predicts its reserved memory."""
+    low, high = 0.05, 1.0
+    for _ in range(20):
+        middle = (low + high) / 2
+        tps = predict(row, analysis, compiled, fs.analysis.Efficiency(matmul=middle)).tps
+        low, high = (middle, high) if tps < row.tps else (low, middle)
+    allocator = row.memory_gib * 2**30 / analysis.memory.peak - 1
+    return (low + high) / 2, allocator
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", default=",".join(r.name for r in ROWS))
+    parser.add_argument("--fit", action="store_true")
+    args = parser.parse_args()
+    print(f"{'row':<22}{'published TPS':>14}{'predicted':>10}{'error':>8}{'MFU':>7}{'published GiB':>14}{'predicted':>10}"
+          f"{'error':>8}{'alloc GiB':>10}{'planned s':>10}")
+    for row in ROWS:
+        if row.name not in args.rows.split(","):
+            continue
+        analysis, compiled, seconds = plan_row(row)
+        if args.fit:
+            print(f"fit on {row.name}: matmul efficiency {{:.4f}}, allocator overhead {{:.4f}}".format(*fit(row, analysis, compiled)))
+        p = predict(row, analysis, compiled)
+        memory = f"{row.memory_gib:>14.1f}{p.reserved_gib:>10.1f}{100 * (p.reserved_gib / row.memory_gib - 1):>+7.1f}%" if row.memory_gib else f"{'-':>14}{p.reserved_gib:>10.1f}{'':>8}"
+        print(f"{row.name:<22}{row.tps:>14,.0f}{p.tps:>10,.0f}{100 * (p.tps / row.tps - 1):>+7.1f}%{100 * p.mfu:>6.1f}%"
+              f"{memory}{p.allocated_gib:>10.1f}{seconds:>10.1f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

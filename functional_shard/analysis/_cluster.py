@@ -1,0 +1,194 @@
+"""Cluster machine models from data sheets: a GPU, its node, the network, and a few named efficiencies.
+
+`cluster_machine(H100_SXM, world_size=128)` is the `Machine` the simulator prices a step on:
+
+- matrix products at `efficiency.matmul` of the GPU's dense peak for the product's dtype
+  (bf16/fp16, tf32, fp32 from the data sheet), reached by large products; a product of `F`
+  FLOPs takes `launch_s + F / (efficiency.matmul * peak)`, so small ones run slower;
+- fused attention kernels at `efficiency.attention` of the dense bf16 peak, on the FLOPs the
+  kernel does (a causal call half of those torch's counter reports);
+- every other kernel (elementwise, norms, softmax, copies, the optimizer) is memory bound:
+  its bytes read and written at `efficiency.memory` of the HBM bandwidth, `launch_s` at least;
+- collectives: a ring over NVLink within a node (per-GPU bandwidth per direction, at
+  `efficiency.bus`), and across nodes the two-level ring NCCL's channels make: each GPU's NIC
+  carries its share between nodes (`network_gbps` per GPU, at `efficiency.bus`);
+- peak memory as the CUDA caching allocator reserves it: the bytes alive at the peak times
+  `1 + efficiency.allocator` (`Simulation.reserved`).
+
+Each efficiency is either read from a published measurement (named in `Efficiency`) or fitted
+on ONE published run: torchtitan's Llama 3.1 8B FSDP row (docs/planning.md). Nothing here is
+measured on this machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ._machine import Machine
+
+__all__ = ["GPU", "Efficiency", "H100_SXM", "H100_SXM_HBM2E", "A100_SXM_80GB", "FITTED", "cluster_machine"]
+
+
+@dataclasses.dataclass(frozen=True)
+class GPU:
+    """A GPU's data sheet.
+
+    Attributes:
+        name: what it is.
+        dense_flops: dtype name -> dense (no sparsity) tensor-core peak FLOP/s: "bfloat16",
+            "float16", "tf32", "float32" (fp32 matrix products without TF32: CUDA cores).
+        hbm_bandwidth: HBM bytes/s.
+        memory_bytes: HBM capacity.
+        nvlink_bandwidth: NVLink bytes/s per GPU per direction (half the bidirectional figure).
+        source: where the numbers come from.
+    """
+
+    name: str
+    dense_flops: dict
+    hbm_bandwidth: float
+    memory_bytes: int
+    nvlink_bandwidth: float
+    source: str
+
+
+H100_SXM = GPU(
+    name="H100 SXM5 80GB",
+    dense_flops={"bfloat16": 989.4e12, "float16": 989.4e12, "tf32": 494.7e12, "float32": 66.9e12},
+    hbm_bandwidth=3.35e12,
+    memory_bytes=80 * 10**9,
+    nvlink_bandwidth=450e9,
+    source="NVIDIA H100 Tensor Core GPU datasheet (SXM5: 1,979 TFLOP/s bf16 with sparsity = 989.4 dense; "
+    "tf32 494.7 dense; fp32 66.9; HBM3 3.35 TB/s; NVLink 4 900 GB/s bidirectional)",
+)
+
+# torchtitan's benchmark platform (Grand Teton): the same GPU with 96 GB of HBM2e at 2.4 TB/s,
+# power-limited to 500 W; torchtitan's docs say its peak lies between the SXM's and the NVL's
+# and is not known exactly, so the SXM's peak is kept and `Efficiency.matmul` absorbs the rest.
+H100_SXM_HBM2E = dataclasses.replace(
+    H100_SXM,
+    name="H100 SXM HBM2e 96GB, 500 W (Grand Teton)",
+    hbm_bandwidth=2.4e12,
+    memory_bytes=96 * 2**30,
+    source="torchtitan docs/performance.md (Dec 2024): 96 GB HBM2e, 2.4 TB/s, 500 W; FLOP/s and NVLink: H100 SXM5 datasheet",
+)
+
+A100_SXM_80GB = GPU(
+    name="A100 SXM4 80GB",
+    dense_flops={"bfloat16": 312e12, "float16": 312e12, "tf32": 156e12, "float32": 19.5e12},
+    hbm_bandwidth=2.039e12,
+    memory_bytes=80 * 10**9,
+    nvlink_bandwidth=300e9,
+    source="NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB: bf16 312 TFLOP/s dense, tf32 156, fp32 19.5; "
+    "HBM2e 2,039 GB/s; NVLink 3 600 GB/s bidirectional)",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Efficiency:
+    """The fractions of the data sheet's peaks a training step reaches (each in (0, 1], but
+    `allocator` >= 0), and where each comes from.
+
+    Attributes:
+        matmul: of the dense tensor-core peak, by large matrix products. FITTED on torchtitan's
+            Llama 3.1 8B FSDP run (8 H100s, Table 1 "FSDP": 5,762 TPS/GPU), the only fitted
+            time constant: it absorbs that platform's 500 W power limit and everything the
+            model leaves out (kernel choice, the CPU's dispatch, clocks).
+        attention: of the dense bf16 peak, by the fused flash attention kernel, forward and
+            backward together: FlashAttention-2 on an H100 SXM5 at head dim 128, causal,
+            sequence 8k reaches about 330-350 TFLOP/s forward and backward (FlashAttention-3
+            paper, Shah et al. 2024, figures 4-5): 0.34. Taken from that paper, not fitted.
+        memory: of the HBM bandwidth, by memory-bound kernels on large tensors: 0.8 (what
+            large copies and elementwise kernels reach on A100/H100 in STREAM-like measurements,
+            e.g. NVIDIA's bandwidthTest and BabelStream reports: 80-90%). Not fitted.
+        bus: of the NVLink and NIC bandwidth, by NCCL's all-gather and reduce-scatter on large
+            messages: 0.8 (nccl-tests bus bandwidth on DGX H100: about 360 of 450 GB/s within a
+            node; 40 of 50 GB/s per 400 Gb/s NIC between nodes). Not fitted.
+        allocator: what the CUDA caching allocator reserves beyond the bytes alive at the
+            peak, as a fraction of them (fragmentation of segments, block rounding): FITTED on
+            the same run's memory (82.4 GiB reserved).
+        launch_s: the least time one kernel takes on the GPU (launch and tail): 4 us.
+        collective_latency_s: a collective's fixed time within a node (NCCL on NVLink, small
+            messages): 10 us; between nodes 5 us more per doubling of the nodes spanned.
+    """
+
+    matmul: float
+    attention: float = 0.34
+    memory: float = 0.8
+    bus: float = 0.8
+    allocator: float = 0.0
+    launch_s: float = 4e-6
+    collective_latency_s: float = 10e-6
+
+    def __post_init__(self) -> None:
+        for name in ("matmul", "attention", "memory", "bus"):
+            value = getattr(self, name)
+            if not 0 < value <= 1:
+                raise ValueError(f"Efficiency.{name} must be in (0, 1]; got {value!r}")
+        if self.allocator < 0:
+            raise ValueError(f"Efficiency.allocator must be >= 0; got {self.allocator!r}")
+
+
+# Fitted on torchtitan docs/performance.md (Dec 2024) Table 1, row "FSDP": Llama 3.1 8B, 8 H100
+# (H100_SXM_HBM2E), local batch 2 x 8192 tokens, bf16 compute, fp32 reduce, AdamW, selective op
+# activation checkpointing (RematPolicy(every_other_mm=True)): 5,762 TPS/GPU, 82.4 GiB reserved.
+# `python benchmarks/planning.py --fit` recomputes both.
+FITTED = Efficiency(matmul=0.529, allocator=0.246)
+
+
+def cluster_machine(
+    gpu: GPU = H100_SXM,
+    *,
+    world_size: int = 8,
+    ranks_per_node: int = 8,
+    network_gbps: float = 400.0,
+    efficiency: Efficiency = FITTED,
+    compute_dtype: str = "bfloat16",
+) -> Machine:
+    """The `Machine` of a cluster of `gpu`s, `ranks_per_node` to a node joined by NVLink, nodes
+    joined by a network of `network_gbps` per GPU, for `fs.analysis.simulate`.
+
+    Arguments:
+        gpu: `H100_SXM`, `H100_SXM_HBM2E`, `A100_SXM_80GB`, or your own `GPU`.
+        world_size: ranks of the run (only named in the machine's description: a collective's
+            group size comes from the graph).
+        ranks_per_node: GPUs per node (NVLink domain).
+        network_gbps: inter-node bandwidth per GPU, Gbit/s per direction (400: H100 clusters
+            with one 400 Gb/s RDMA NIC per GPU; 200: A100 clusters).
+        efficiency: the named efficiencies (`FITTED` by default).
+        compute_dtype: the dtype of the step's matrix products (the peak of `matmul_flops`);
+            products of other dtypes are scaled by their peak over this one.
+    """
+    if compute_dtype not in gpu.dense_flops:
+        raise ValueError(f"cluster_machine: {gpu.name} has no peak for {compute_dtype!r}; it has {sorted(gpu.dense_flops)}")
+    if ranks_per_node < 1 or world_size < 1 or network_gbps <= 0:
+        raise ValueError(
+            f"cluster_machine needs world_size >= 1, ranks_per_node >= 1 and network_gbps > 0; got "
+            f"{world_size}, {ranks_per_node}, {network_gbps}"
+        )
+    e = efficiency
+    peak = gpu.dense_flops[compute_dtype] * e.matmul
+    hbm = gpu.hbm_bandwidth * e.memory
+    # A kernel of F FLOPs (B bytes) takes launch_s + F / rate: the curves hold F / that time.
+    matmul = tuple((f, f / (e.launch_s + f / peak)) for f in (1e6, 1e7, 1e8, 1e9, 1e10, 1e11, 1e12, 1e13))
+    memory = tuple((b, b / (e.launch_s + b / hbm)) for b in (1e3, 1e4, 1e5, 1e6, 1e7, 1e8, 1e9, 1e10))
+    nvlink = gpu.nvlink_bandwidth * e.bus
+    kinds = ("all_gather", "reduce_scatter", "all_reduce")
+    nodes = -(-world_size // ranks_per_node)
+    return Machine(
+        name=f"{gpu.name}: {world_size} ranks, {ranks_per_node} per node (NVLink), {nodes} node(s), "
+        f"{network_gbps:g} Gb/s per GPU between nodes; {e}",
+        matmul_flops=matmul,
+        memory_bandwidth=memory,
+        op_overhead_s=e.launch_s,
+        view_overhead_s=0.0,
+        collective_latency_s={k: e.collective_latency_s for k in kinds},
+        collective_bandwidth={k: nvlink for k in kinds},
+        issue_overhead_s=5e-6,
+        overlap_penalty=0.1,
+        ranks_per_node=ranks_per_node,
+        network_bandwidth=network_gbps / 8 * 1e9 * e.bus,
+        network_latency_s=5e-6,
+        matmul_dtype_scale={k: v / gpu.dense_flops[compute_dtype] for k, v in gpu.dense_flops.items()},
+        attention_flops=gpu.dense_flops["bfloat16"] * e.attention,
+        allocator_overhead=e.allocator,
+    )
