@@ -33,9 +33,11 @@ def builtins(draw):
     """(name, schedule) for a built-in at P in 1..8, M in 1..16, v in 1..3."""
     P = draw(st.integers(1, 8))
     M = draw(st.integers(1, 16))
-    kind = draw(st.sampled_from(["gpipe", "1f1b", "interleaved", "zb_h1"]))
+    kind = draw(st.sampled_from(["gpipe", "1f1b", "interleaved", "zb_h1", "zbv"]))
     if kind == "gpipe":
         return kind, pp.gpipe(P, M)
+    if kind == "zbv":
+        return kind, pp.zbv(P, M)
     if kind == "1f1b":
         return kind, pp.one_f_one_b(P, M)
     v = draw(st.integers(1, 3))
@@ -159,6 +161,9 @@ def test_compute_orders_are_torchs(P):
             theirs = _torch_compute(ts.Schedule1F1B._get_pipeline_order(sizes).values())
             assert theirs[:-1] == mine(pp.one_f_one_b(P, M))[:-1]
         assert mine(pp.one_f_one_b(P, M))[-1] == [f"{P-1}{k}{m}" for m in range(M) for k in "FB"]
+        sizes = SimpleNamespace(pp_group_size=P, _n_microbatches=M, num_stages=2 * P)
+        theirs = _torch_compute(ts.ScheduleZBVZeroBubble._calculate_single_rank_operations(sizes, r) for r in range(P))
+        assert theirs == mine(pp.zbv(P, M))
         if not interleavable(P, M):
             continue
         for v in (1, 2, 3):
@@ -175,7 +180,7 @@ def test_compute_orders_are_torchs(P):
 
 def test_lowering_matches_torchs_add_send_recv():
     ts = pytest.importorskip("torch.distributed.pipelining.schedules")
-    for schedule in (pp.one_f_one_b(4, 8), pp.interleaved_1f1b(2, 4, 2), pp.zero_bubble_h1(3, 6)):
+    for schedule in (pp.one_f_one_b(4, 8), pp.interleaved_1f1b(2, 4, 2), pp.zero_bubble_h1(3, 6), pp.zbv(3, 6)):
         compute = {r: [ts._Action.from_str(str(a)) for a in row] for r, row in enumerate(schedule.actions)}
         theirs = ts._add_send_recv(compute, stage_to_rank=schedule.rank_of, num_stages=schedule.num_stages)
         lowered = pp.with_communication(schedule)
@@ -207,6 +212,10 @@ def test_bubble_and_memory_theory(P, M):
         assert all(exact(b) == Fraction(P - 1, 3 * M + P - 1) for b in zb.bubble)
     assert all(z <= o for z, o in zip(zb.bubble, one.bubble))
     assert max(zb.peak_in_flight) == min(P, M)  # 1F1B's memory
+    zbv = pp.analyze(pp.zbv(P, M))  # 2 stages per rank in a V, each F = I = W = 1: a rank works 6M
+    if M >= 2 * P - 1:  # torch's ZBV plans at least 2P-1 micro-batches
+        assert all(exact(b) == Fraction(P - 1, 6 * M + P - 1) for b in zbv.bubble)
+    assert zbv.peak_in_flight == tuple(min(2 * P - s, M) for s in range(2 * P))  # half stages: 1F1B's memory
     if interleavable(P, M) and M >= P:
         for v in (2, 3):  # v stages per rank, each F = 1, B = 2: a rank works 3vM
             inter = pp.analyze(pp.interleaved_1f1b(P, M, v), unit)

@@ -31,6 +31,7 @@ from ._builtins import gpipe as gpipe
 from ._builtins import interleaved_1f1b as interleaved_1f1b
 from ._builtins import one_f_one_b as one_f_one_b
 from ._builtins import with_communication as with_communication
+from ._builtins import zbv as zbv
 from ._builtins import zero_bubble_h1 as zero_bubble_h1
 from ._check import CheckResult as CheckResult
 from ._check import check as check
@@ -54,5 +55,6 @@ __all__ = [
     "peak_in_flight",
     "stage_to_rank",
     "with_communication",
+    "zbv",
     "zero_bubble_h1",
 ]

@@ -206,7 +206,8 @@ class PipelineSchedule:
         num_microbatches: M, the micro-batches of one step; every stage runs each once.
         stages_per_rank: virtual stages per rank (1, or 2+ for interleaved / ZBV); the
             pipeline has `num_ranks * stages_per_rank` stages.
-        placement: "looped" or "v" (see `stage_to_rank`).
+        placement: "looped" or "v" (see `stage_to_rank`); "looped" whenever the two coincide
+            (one rank, or one stage per rank).
         name: a label only (not compared, not in CSV).
     """
 
@@ -227,6 +228,8 @@ class PipelineSchedule:
                 f"(got {self.num_microbatches}, {self.stages_per_rank})"
             )
         stage_to_rank(0, 1, self.placement)  # validates the placement's name
+        if len(rows) == 1 or self.stages_per_rank == 1:  # both placements are the same mapping then
+            object.__setattr__(self, "placement", "looped")
 
     @property
     def num_ranks(self) -> int:

@@ -4,11 +4,12 @@
     fs.pipeline.one_f_one_b(num_ranks, num_microbatches)             # warm-up, one F one B, cool-down
     fs.pipeline.interleaved_1f1b(num_ranks, num_microbatches, stages_per_rank=2)   # Megatron's order
     fs.pipeline.zero_bubble_h1(num_ranks, num_microbatches)          # B split into I and W (ZB-H1)
+    fs.pipeline.zbv(num_ranks, num_microbatches)                     # zero bubble, V placement
     fs.pipeline.with_communication(schedule, fsdp=True)              # + SEND/RECV, UNSHARD/RESHARD, REDUCE_GRAD
 
 The generators give compute actions only (F, B, I, W), in the orders
 `torch.distributed.pipelining` computes for `ScheduleGPipe`, `Schedule1F1B`,
-`ScheduleInterleaved1F1B` and `ScheduleInterleavedZeroBubble` (one stage per rank), idle
+`ScheduleInterleaved1F1B`, `ScheduleInterleavedZeroBubble` and `ScheduleZBVZeroBubble`, idle
 steps dropped; tests/test_pipeline_schedules.py compares them action for action.
 """
 
@@ -19,7 +20,7 @@ from typing import Callable
 
 from ._actions import BACKWARD, Action, ActionKind, PipelineSchedule, ScheduleError
 
-__all__ = ["gpipe", "one_f_one_b", "interleaved_1f1b", "zero_bubble_h1", "with_communication"]
+__all__ = ["gpipe", "one_f_one_b", "interleaved_1f1b", "zero_bubble_h1", "zbv", "with_communication"]
 
 F, B, I, W = ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W
 
@@ -167,6 +168,67 @@ def zero_bubble_h1(num_ranks: int, num_microbatches: int, stages_per_rank: int =
         for r in range(num_ranks)
     )
     return PipelineSchedule(rows, num_microbatches, stages_per_rank, "looped", name="zb_h1")
+
+
+def zbv(num_ranks: int, num_microbatches: int) -> PipelineSchedule:
+    """Zero bubble ZB-V (Qi et al. 2024, section 6; torch's `ScheduleZBVZeroBubble` order): two
+    stages per rank placed in a V (rank r holds stages r and 2P-1-r, so rank 0 holds the first
+    and the last), B split into I and W.
+
+    Arguments:
+        num_ranks: P.
+        num_microbatches: M.
+    """
+    _sizes(num_ranks, num_microbatches)
+    P, M = num_ranks, num_microbatches
+    stages = 2 * P
+    n = max(2 * P - 1, M)  # torch plans at least 2P-1 micro-batches and drops the extra ones
+    rows = []
+    for rank in range(P):
+        down, up = rank, stages - 1 - rank  # the V's two arms on this rank
+        row: list[Action] = []
+        count = {"f0": 0, "f1": 0, "b0": 0, "b1": 0}
+
+        def add(kind: ActionKind, stage: int, key: str) -> None:
+            row.append(Action(kind, stage, count[key]))
+            if kind is not W:
+                count[key] += 1
+
+        for _ in range(2 * (P - rank) - 1):
+            add(F, down, "f0")
+        for _ in range(rank):
+            add(F, up, "f1")
+            add(F, down, "f0")
+        for _ in range(P - rank):
+            add(F, up, "f1")
+            row.append(Action(I, up, count["b1"]))
+            add(W, up, "b1")
+            count["b1"] += 1
+        while count["f1"] < count["f0"] or count["f0"] < n:
+            if count["f0"] < n:
+                add(F, down, "f0")
+            row.append(Action(I, down, count["b0"]))
+            row.append(Action(W, down, count["b0"]))
+            count["b0"] += 1
+            add(F, up, "f1")
+            row.append(Action(I, up, count["b1"]))
+            row.append(Action(W, up, count["b1"]))
+            count["b1"] += 1
+        w0, w1 = count["b0"], count["b1"]
+        for _ in range(rank):
+            row.append(Action(I, down, count["b0"]))
+            count["b0"] += 1
+            row.append(Action(I, up, count["b1"]))
+            count["b1"] += 1
+        for _ in range(P - rank):
+            row.append(Action(I, down, count["b0"]))
+            count["b0"] += 1
+            row.append(Action(W, down, w0))
+            w0 += 1
+        row += [Action(W, up, m) for m in range(w1, count["b1"])]
+        row += [Action(W, down, m) for m in range(w0, count["b0"])]
+        rows.append(tuple(a for a in row if a.microbatch < M))
+    return PipelineSchedule(tuple(rows), M, 2, "v", name="zbv")
 
 
 def _fsdp_actions(row: list[Action], num_microbatches: int, fsdp: bool, reduce_grad: bool) -> list[Action]:
