@@ -384,3 +384,18 @@ def test_mutations_are_proved_or_refused(case, lowered, seed):
             assert str(error)
         else:
             assert len(result.order) == sum(len(row) for row in mutated.actions)
+
+
+def test_the_package_stands_alone():
+    """fs.pipeline imports only the standard library and its own modules: no step, no torch."""
+    import ast
+    import pathlib
+    import sys
+
+    folder = pathlib.Path(pp.__file__).parent
+    for path in sorted(folder.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                assert node.level == 1 or node.module.split(".")[0] in sys.stdlib_module_names, (path.name, node.module)
+            elif isinstance(node, ast.Import):
+                assert all(a.name.split(".")[0] in sys.stdlib_module_names for a in node.names), path.name

@@ -12,7 +12,7 @@ does not run pipelines yet: see docs/pipelining.md.
     print(fs.pipeline.explain(schedule))                            # bubble, in-flight, the grid
     edited = fs.pipeline.PipelineSchedule.from_csv(open("mine.csv").read())
 
-Only torch-free stdlib code: the package does not import the step.
+The package is plain Python (no torch, no import of the step): schedules are planned anywhere.
 """
 
 from ._actions import Action as Action

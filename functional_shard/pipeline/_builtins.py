@@ -231,7 +231,7 @@ def zbv(num_ranks: int, num_microbatches: int) -> PipelineSchedule:
     return PipelineSchedule(tuple(rows), M, 2, "v", name="zbv")
 
 
-def _fsdp_actions(row: list[Action], num_microbatches: int, fsdp: bool, reduce_grad: bool) -> list[Action]:
+def _fsdp_actions(row: list[Action], fsdp: bool, reduce_grad: bool) -> list[Action]:
     """UNSHARD before a stage's first compute, REDUCE_GRAD after its last B/W, RESHARD after its last compute."""
     first: dict[int, int] = {}
     last: dict[int, int] = {}
@@ -281,7 +281,7 @@ def with_communication(
         )
     check(schedule)
     reduce_grad = fsdp if reduce_grad is None else reduce_grad
-    pending = [_fsdp_actions(list(row), schedule.num_microbatches, fsdp, reduce_grad) for row in schedule.actions]
+    pending = [_fsdp_actions(list(row), fsdp, reduce_grad) for row in schedule.actions]
     rank_of: Callable[[int], int] = schedule.rank_of
     last = schedule.num_stages - 1
     out: list[list[Action]] = [[] for _ in pending]
