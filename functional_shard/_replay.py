@@ -149,14 +149,13 @@ def failing_node(gm: fx.GraphModule, error: BaseException) -> fx.Node | None:
 def describe_node(node: fx.Node) -> str:
     """Where a failing node of a traced step comes from: its operation and the user's frames
     recorded while tracing (innermost last), or why there are none."""
-    where = "\n".join("  " + line for line in (node.meta.get("stack_trace") or "").splitlines())
-    head = f"(raised while replaying the traced step, by its operation {_operation(node)} (graph node {node.name})"
-    if where:
-        return f"{head}, issued from:\n{where}\nfs.Schedule(trace=False) runs the same step eagerly, line by line)"
-    return (
-        f"{head}; no line of your code issued it: it is part of a backward pass or of the step itself. "
-        f"fs.Schedule(trace=False) runs the same step eagerly, line by line)"
-    )
+    head = f"  raised by {_operation(node)} (graph node {node.name}) while the traced step replayed"
+    tail = "  (fs.Schedule(trace=False) runs the same step eagerly, with Python's own traceback)"
+    stack = node.meta.get("stack_trace") or ""
+    if stack:
+        where = "\n".join("    " + line for line in stack.splitlines())
+        return f"{head}, issued by:\n{where}\n{tail}"
+    return f"{head}; no line of your code issued it (a backward pass, or the step's own update)\n{tail}"
 
 
 def _operation(node: fx.Node) -> Any:
