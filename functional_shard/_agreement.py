@@ -14,15 +14,18 @@ Rank r entering its n-th agreement on this world (every mesh and `fs.shutdown` c
 2. waits for every other rank's entry n and reads them: the same operation everywhere, or
    `MeshError` on every rank, naming what each entered ("rank 1: fs.shutdown" while
    "rank 0: a training step");
-3. while it waits, looks at the ranks that have not arrived. A `Heartbeat` thread in every
-   rank publishes that rank's collective counts twice a second, so a rank that issued a
-   collective this one did not (a `torch.distributed` call of the user's on some ranks only)
-   is named within about a second (`PeerError`), and so is a rank that exited. A rank not
-   heard from for a few seconds (dead, or holding the GIL) is met in an all-gather instead:
-   it fails at once if the rank is dead, and waits for it otherwise.
+3. while it waits (one blocking wait on the store), its `Heartbeat` thread looks at the ranks
+   that have not arrived. Every rank's heartbeat publishes that rank's collective counts twice
+   a second, so a rank that issued a collective this one did not (a `torch.distributed` call
+   of the user's on some ranks only) is named within about a second (`PeerError`), and so is
+   a rank that exited. A rank not heard from for a few seconds (dead, or holding the GIL) is
+   met in an all-gather instead: it fails at once if the rank is dead, and waits for it
+   otherwise. The looking rank puts a mark in place of each missing entry, which ends the wait
+   of every rank at this call alike.
 
 Cost: five store round trips per agreement (a counter, the entry, the wait, the read, the
-deletion of the previous entry), and the heartbeat's one store write per rank every 0.5 s.
+deletion of the previous entry), and the heartbeat's one store write per rank every 0.5 s
+(and a few reads while its rank waits).
 """
 
 from __future__ import annotations
@@ -44,13 +47,12 @@ from ._failures import MeshError, PeerError
 __all__ = ["Agreement", "Entry", "Heartbeat", "stop_heartbeats"]
 
 PREFIX = "functional_shard/agree"
-# Seconds between a rank's heartbeats, between a waiting rank's looks at the missing ranks,
-# and without a changed heartbeat before a missing rank is met in an all-gather instead.
+# Seconds between a rank's heartbeats (and a waiting rank's looks at the missing ranks), and
+# without a changed heartbeat before a missing rank is met in an all-gather instead.
 HEARTBEAT_PERIOD = 0.5
-WAIT_SLICE = 0.5
 SILENT_AFTER = 3.0
-# What a waiting rank puts in place of the entry of a rank it has not heard from.
-_SILENT = "<not heard from>"
+# How a mark (`_Mark`), put by a waiting rank in place of a missing rank's entry, begins.
+_MARK = "<functional_shard agreement mark: "
 
 
 def digest(text: str) -> int:
@@ -123,6 +125,19 @@ def _group_timeout(group) -> float:
     return 600.0
 
 
+class _Watch:
+    """What a rank waiting in an agreement watches for (its heartbeat thread looks every 0.5 s)."""
+
+    def __init__(self, mine: Entry, rank: int, others: list[int], timeout: float, where: str):
+        self.mine = mine
+        self.rank = rank
+        self.others = others
+        self.timeout = timeout
+        self.where = where
+        self.start = time.monotonic()
+        self.heard: dict[int, tuple[str, float]] = {}  # rank -> (its last heartbeat, when it changed)
+
+
 class Agreement:
     """One rank's side of the ranks' agreement on a world (see the module docstring).
 
@@ -131,8 +146,7 @@ class Agreement:
         rank / world_size: this rank in the world.
         groups: the process groups whose collectives a heartbeat counts (the world first).
         timeout: seconds to wait for the other ranks before `PeerError`.
-        heartbeat: start this process's `Heartbeat` (if it has none), so that the other ranks
-            can tell what this one does while they wait for it.
+        heartbeat: start this process's `Heartbeat` if it has none (else only use one that runs).
     """
 
     def __init__(
@@ -144,7 +158,9 @@ class Agreement:
         self.timeout = timeout
         self._groups = {group.group_name: weakref.ref(group) for group in groups}
         if heartbeat:
-            Heartbeat.ensure(store, rank, groups[0], self._groups)
+            self._heartbeat: Heartbeat | None = Heartbeat.ensure(store, rank, groups[0], self._groups)
+        else:
+            self._heartbeat = Heartbeat.find(groups[0])
 
     @classmethod
     def of_world(
@@ -182,11 +198,16 @@ class Agreement:
         call = int(store.add(f"{PREFIX}/calls/{self.rank}", 1))
         mine = Entry(operation, int(value), call, count, collective_counts(self._groups))
         text = mine.encode()
-        if _text(store.compare_set(_store_key(call, self.rank), "", text)) != text:
-            entries: dict[int, Entry | None] = {self.rank: None}  # a waiting rank did not hear from this one
+        found = _text(store.compare_set(_store_key(call, self.rank), "", text))
+        if found != text:  # a waiting rank put a mark in this rank's place
+            entries: dict[int, Entry | _Mark] = {self.rank: _Mark.decode(found) or _Mark("silent", self.rank, "")}
         else:
             entries = self._wait(mine, where)
-        if any(entry is None for entry in entries.values()):
+        marks = [entry for entry in entries.values() if isinstance(entry, _Mark)]
+        for mark in marks:
+            if mark.kind == "verdict":
+                raise PeerError(mark.message, mark.rank)
+        if marks:
             return self._meet(mine, entries, gather, where)
         operations = {entry.operation for entry in entries.values()}
         if len(operations) > 1:
@@ -196,101 +217,69 @@ class Agreement:
 
     # --- waiting --------------------------------------------------------------------------
 
-    def _wait(self, mine: Entry, where: str) -> dict[int, Entry | None]:
-        """Every rank's entry for `mine.call` (None for a rank that was not heard from)."""
+    def _wait(self, mine: Entry, where: str) -> dict[int, "Entry | _Mark"]:
+        """Every rank's entry for `mine.call`, or the mark a waiting rank put in its place.
+
+        One blocking wait on the store; meanwhile this rank's heartbeat thread looks at the
+        ranks that have not come (`_look_at_missing`) and, for a rank that issued a collective
+        of its own, exited or fell silent, puts a mark in place of each missing entry, which
+        ends the wait of every rank at this call."""
         store = self._store
         others = [r for r in range(self.world_size) if r != self.rank]
         keys = [_store_key(mine.call, r) for r in others]
-        start = time.monotonic()
-        heard: dict[int, tuple[str, float]] = {}  # rank -> (its last heartbeat, when it changed)
-        while True:
-            left = start + self.timeout - time.monotonic()
-            try:
-                store.wait(keys, datetime.timedelta(seconds=max(0.001, min(WAIT_SLICE, left))))
-                break
-            except dist.DistStoreError as error:
-                if "timeout" not in str(error).lower():
-                    raise self._store_failed(mine, error) from error
-            except (RuntimeError, ValueError) as error:
+        watch = _Watch(mine, self.rank, others, self.timeout, where)
+        heartbeat = self._heartbeat if self._heartbeat is not None and self._heartbeat.is_alive() else None
+        if heartbeat is not None:
+            heartbeat.watching = watch
+        try:
+            store.wait(keys, datetime.timedelta(seconds=self.timeout))
+        except dist.DistStoreError as error:
+            if "timeout" not in str(error).lower():
                 raise self._store_failed(mine, error) from error
-            try:
-                self._look_at_missing(mine, others, heard, start, where)
-            except MeshError:
-                raise
-            except (RuntimeError, ValueError) as error:
-                raise self._store_failed(mine, error) from error
-        entries = {self.rank: mine}
-        for rank, text in zip(others, store.multi_get(keys)):
-            entries[rank] = None if _text(text).startswith(_SILENT) else Entry.decode(text)
-        return entries
-
-    def _look_at_missing(self, mine: Entry, others: list[int], heard: dict, start: float, where: str) -> None:
-        """Name a missing rank that issued a collective of its own or exited; meet silent ones
-        in an all-gather; give up after the timeout."""
-        store = self._store
-        now = time.monotonic()
-        missing = [r for r in others if not store.check([_store_key(mine.call, r)])]
-        silent = []
-        for rank in missing:
-            beat_text = _text(store.get(_beat_key(rank))) if store.check([_beat_key(rank)]) else ""
-            beat = _decode_beat(beat_text)
-            if beat.get("exited"):
-                raise PeerError(
-                    f"rank {rank} exited while rank {self.rank} {mine.describe()}; its last functional_shard call: "
-                    f"{self._last_call(rank)}. Every rank must make the same functional_shard calls, and end with "
-                    f"fs.shutdown() ({where})",
-                    rank,
-                )
-            for group, issued in beat.get("collectives", {}).items():
-                if group in mine.collectives and issued > mine.collectives[group]:
-                    raise PeerError(
-                        f"rank {rank} issued a collective that rank {self.rank} did not: its collective #{issued} on "
-                        f"process group {group!r}, after its last functional_shard call "
-                        f"({self._last_call(rank)}); rank "
-                        f"{self.rank} had issued {mine.collectives[group]} there when it entered {mine.operation} (its "
-                        f"functional_shard call #{mine.call}). Every rank must issue the same collectives in the same "
-                        f"order: a torch.distributed call made on some ranks only (an extra all_reduce or barrier) "
-                        f"would pair with this rank's next collective ({where})",
-                        rank,
-                    )
-            last, since = heard.get(rank, (None, start))
-            if beat_text != last:
-                heard[rank] = (beat_text, now)
-            elif now - since > SILENT_AFTER:
-                silent.append(rank)
-        if silent:
-            # Meet them in an all-gather: every rank at this call will (the key of each missing
-            # rank now holds the mark, or that rank's own entry if it came in the meantime).
-            for rank in missing:
-                store.compare_set(_store_key(mine.call, rank), "", f"{_SILENT} by rank {self.rank}")
-            return
-        if missing and now - start > self.timeout:
-            rank = missing[0]
-            raise PeerError(
+            missing = [r for r in others if not store.check([_store_key(mine.call, r)])]
+            rank = missing[0] if missing else others[0]
+            message = (
                 f"rank {rank} did not enter {mine.operation} within the collective timeout of {self.timeout:.0f} s: "
                 f"rank {self.rank} {mine.describe()}, rank {rank}'s last functional_shard call was "
-                f"{self._last_call(rank)}. Every rank must make the same functional_shard calls in the same order "
-                f"({where})",
-                rank,
+                f"{_last_call(store, rank)}. Every rank must make the same functional_shard calls in the same order "
+                f"({where})"
             )
+            # This rank gives up: a rank that comes later finds the verdict, not this rank's entry.
+            mark = _Mark("verdict", rank, message).encode()
+            for key in [_store_key(mine.call, r) for r in missing]:
+                store.compare_set(key, "", mark)
+            store.set(_store_key(mine.call, self.rank), mark)
+            raise PeerError(message, rank) from None
+        except (RuntimeError, ValueError) as error:
+            raise self._store_failed(mine, error) from error
+        finally:
+            if heartbeat is not None:
+                heartbeat.watching = None
+        entries: dict[int, Entry | _Mark] = {self.rank: mine}
+        for rank, text in zip(others, store.multi_get(keys)):
+            entry = _Mark.decode(_text(text)) or Entry.decode(text)
+            entries[rank] = entry if entry is not None else _Mark("verdict", rank, f"rank {rank}'s entry is unreadable")
+        return entries
 
-    def _meet(self, mine: Entry, entries: dict[int, Entry | None], gather, where: str) -> list[int]:
+    def _meet(self, mine: Entry, entries: dict[int, "Entry | _Mark"], gather, where: str) -> list[int]:
         """Agree in an all-gather (some rank was not heard from): it fails at once if that rank
         is dead, and waits for it otherwise."""
-        silent = [r for r, entry in entries.items() if entry is None]
+        silent = [r for r, entry in entries.items() if isinstance(entry, _Mark) and r != self.rank]
         payload = torch.tensor([digest(mine.operation), mine.value, mine.call, mine.count], dtype=torch.int64)
         try:
             everyone = gather(payload).view(self.world_size, 4).tolist()
         except Exception as error:  # noqa: BLE001 - a dead peer's connection, named
-            rank = silent[0] if silent[0] != self.rank else next(r for r in range(self.world_size) if r != self.rank)
+            rank = silent[0] if silent else next(r for r in range(self.world_size) if r != self.rank)
             raise PeerError(
                 f"rank {rank} was not heard from for {SILENT_AFTER:.0f} s while rank {self.rank} {mine.describe()}, "
-                f"and "
-                f"the collective that met it failed ({type(error).__name__}: {str(error).splitlines()[0][:300]}): "
-                f"it died or hangs ({where})",
+                f"and the collective that met it failed ({type(error).__name__}: "
+                f"{str(error).splitlines()[0][:300]}): it died or hangs ({where})",
                 rank,
             ) from error
-        met = [mine if r == self.rank else entries.get(r) or self._entry_of(r, *row) for r, row in enumerate(everyone)]
+        met = [
+            mine if r == self.rank else entries[r] if isinstance(entries.get(r), Entry) else self._entry_of(r, *row)
+            for r, row in enumerate(everyone)
+        ]
         if len({code for code, *_ in everyone}) > 1:
             raise _different_operations(met, where)
         self._forget(mine.call - 1)
@@ -334,20 +323,87 @@ class Agreement:
             0,
         )
 
-    def _last_call(self, rank: int) -> str:
-        """`rank`'s last agreement, in words ("none" before its first)."""
-        try:
-            call = int(self._store.add(f"{PREFIX}/calls/{rank}", 0))
-            if call == 0:
-                return "none"
-            key = _store_key(call, rank)
-            entry = Entry.decode(self._store.get(key)) if self._store.check([key]) else None
-        except (RuntimeError, ValueError):
-            return "unknown"
-        if entry is None:
-            return f"#{call}"
-        times = f", its {_ordinal(entry.count)} on its mesh" if entry.count else ""
-        return f"{entry.operation} (#{call}{times})"
+
+class _Mark(NamedTuple):
+    """What a waiting rank puts in place of a missing rank's entry."""
+
+    kind: str  # "silent": meet in an all-gather; "verdict": raise `PeerError(message, rank)`
+    rank: int  # the rank the mark is about (for a verdict, the rank that failed)
+    message: str  # the verdict, in words ("" for "silent")
+
+    def encode(self) -> str:
+        return f"{_MARK}{self.kind} {self.rank}>{self.message}"
+
+    @classmethod
+    def decode(cls, text: str) -> "_Mark | None":
+        if not text.startswith(_MARK):
+            return None
+        head, _, message = text[len(_MARK) :].partition(">")
+        kind, _, rank = head.partition(" ")
+        return cls(kind, int(rank), message) if rank.isdigit() else None
+
+
+def _look_at_missing(store, watch: _Watch) -> None:
+    """For the ranks `watch`'s rank still waits for: a mark in place of each missing entry if one
+    of them issued a collective of its own or exited (a verdict naming it), or was not heard
+    from for `SILENT_AFTER` seconds ("silent": met in an all-gather). Runs in the heartbeat thread."""
+    mine, now = watch.mine, time.monotonic()
+    missing = [r for r in watch.others if not store.check([_store_key(mine.call, r)])]
+    verdict: _Mark | None = None
+    silent = False
+    for rank in missing:
+        beat_text = _text(store.get(_beat_key(rank))) if store.check([_beat_key(rank)]) else ""
+        beat = _decode_beat(beat_text)
+        if beat.get("exited"):
+            verdict = _Mark("verdict", rank, (
+                f"rank {rank} exited while rank {watch.rank} {mine.describe()}; its last functional_shard call: "
+                f"{_last_call(store, rank)}. Every rank must make the same functional_shard calls, and end with "
+                f"fs.shutdown() ({watch.where})"
+            ))  # fmt: skip
+            break
+        ahead = [
+            (group, issued) for group, issued in beat.get("collectives", {}).items()
+            if group in mine.collectives and issued > mine.collectives[group]
+        ]  # fmt: skip
+        if ahead:
+            group, issued = ahead[0]
+            verdict = _Mark("verdict", rank, (
+                f"rank {rank} issued a collective that rank {watch.rank} did not: its collective #{issued} on "
+                f"process group {group!r}, after its last functional_shard call ({_last_call(store, rank)}); rank "
+                f"{watch.rank} had issued {mine.collectives[group]} there when it entered {mine.operation} (its "
+                f"functional_shard call #{mine.call}). Every rank must issue the same collectives in the same order: "
+                f"a torch.distributed call made on some ranks only (an extra all_reduce or barrier) would pair with "
+                f"the others' next collective ({watch.where})"
+            ))  # fmt: skip
+            break
+        last, since = watch.heard.get(rank, (None, watch.start))
+        if beat_text != last:
+            watch.heard[rank] = (beat_text, now)
+        elif now - since > SILENT_AFTER:
+            silent = True
+    if verdict is None and not silent:
+        return
+    # A mark in place of every missing entry ends the wait of every rank at this call (a rank
+    # that came in the meantime keeps its own entry: compare-and-set).
+    mark = (verdict or _Mark("silent", watch.rank, "")).encode()
+    for rank in missing:
+        store.compare_set(_store_key(mine.call, rank), "", mark)
+
+
+def _last_call(store, rank: int) -> str:
+    """`rank`'s last agreement, in words ("none" before its first)."""
+    try:
+        call = int(store.add(f"{PREFIX}/calls/{rank}", 0))
+        if call == 0:
+            return "none"
+        key = _store_key(call, rank)
+        entry = Entry.decode(store.get(key)) if store.check([key]) else None
+    except (RuntimeError, ValueError):
+        return "unknown"
+    if entry is None:
+        return f"#{call}"
+    times = f", its {_ordinal(entry.count)} on its mesh" if entry.count else ""
+    return f"{entry.operation} (#{call}{times})"
 
 
 def _different_operations(entries: list[Entry], where: str) -> MeshError:
@@ -398,6 +454,17 @@ class Heartbeat(threading.Thread):
         self._groups = dict(groups)
         self._stopping = threading.Event()
         self._beats = 0
+        # What this rank's main thread waits for in an agreement, if it waits (`_Watch`).
+        self.watching: _Watch | None = None
+
+    @classmethod
+    def find(cls, world) -> "Heartbeat | None":
+        """This process's running heartbeat for the world of process group `world`, if any."""
+        for thread in threading.enumerate():
+            if isinstance(thread, cls) and thread.is_alive() and not thread._stopping.is_set():
+                if thread._world() is world:
+                    return thread
+        return None
 
     @classmethod
     def ensure(cls, store, rank: int, world, groups: dict[str, Callable[[], Any]]) -> "Heartbeat":
@@ -428,6 +495,12 @@ class Heartbeat(threading.Thread):
                 self._publish()
             except Exception:  # noqa: BLE001 - the store is gone: so is the world
                 return
+            watch = self.watching
+            if watch is not None:
+                try:
+                    _look_at_missing(self._store, watch)
+                except Exception:  # noqa: BLE001 - the main thread's wait still ends at its timeout
+                    pass
 
     def stop(self) -> None:
         """End the thread (and wait for it: it must not be inside the store at interpreter exit)."""
