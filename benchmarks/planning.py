@@ -129,7 +129,7 @@ class Prediction(NamedTuple):
     """One row predicted."""
 
     tps: float  # tokens per second per GPU
-    mfu: float  # model FLOPs utilization: the step's FLOPs (torch's count, attention halved when causal) / time / bf16 peak
+    mfu: float  # FLOPs utilization: the FLOPs the step runs (torch's count, recomputation included) / time / bf16 dense peak
     reserved_gib: float  # peak memory as the caching allocator reserves it
     allocated_gib: float  # peak bytes alive (the analysis' peak)
     step_s: float  # predicted step time
