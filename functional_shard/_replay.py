@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import linecache
 import os
+import re
 import sys
 import traceback
 from collections.abc import Callable, Sequence
@@ -32,6 +33,7 @@ _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _MODELS = _PACKAGE + "models.py"  # reference models: user code as far as a failure goes
 _STDLIB = os.path.dirname(os.__file__) + os.sep
 _FRAMES_KEPT = 4  # innermost user frames recorded per node
+_FRAME = re.compile(r'File "(.*)", line (\d+), in (.*)')
 
 
 def _is_user_file(filename: str) -> bool:
@@ -109,7 +111,7 @@ def replay(run: Callable[..., Any], inputs: Sequence[Any]) -> Any:
     of one). An exception raised by one of the graph's operations is raised again with the
     operation and the user's source line appended to its message (see `describe_node`), of
     the same type where it can be built from a message (else a RuntimeError), chained to the
-    original. Exceptions of collectives (a peer's failure, a timeout) pass unchanged."""
+    original; the first line ends with the operation and the innermost user line. Exceptions of collectives (a peer's failure, a timeout) pass unchanged."""
     if not isinstance(run, fx.GraphModule):
         return run(*inputs)
     try:
@@ -120,7 +122,9 @@ def replay(run: Callable[..., Any], inputs: Sequence[Any]) -> Any:
         node = failing_node(run, error)
         if node is None or _is_collective(node):
             raise
-        message = f"{error}\n{describe_node(node)}"
+        # The location on the first line too: a rank's failure is reported by its first line.
+        first, *rest = str(error).split("\n", 1)
+        message = "\n".join([f"{first} [{_innermost(node)}]", *rest, describe_node(node)])
         try:
             located = type(error)(message)
         except Exception:  # noqa: BLE001 - an exception type that takes other arguments
@@ -156,6 +160,15 @@ def describe_node(node: fx.Node) -> str:
         where = "\n".join("    " + line for line in stack.splitlines())
         return f"{head}, issued by:\n{where}\n{tail}"
     return f"{head}; no line of your code issued it (a backward pass, or the step's own update)\n{tail}"
+
+
+def _innermost(node: fx.Node) -> str:
+    """'op at file:line in function' for the innermost user frame that issued `node`."""
+    frames = _FRAME.findall(node.meta.get("stack_trace") or "")
+    if not frames:
+        return f"{_operation(node)} of the traced step"
+    filename, lineno, function = frames[-1]
+    return f"{_operation(node)} at {filename}:{lineno} in {function}"
 
 
 def _operation(node: fx.Node) -> Any:

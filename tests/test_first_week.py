@@ -135,6 +135,8 @@ def test_batch_norm_in_bf16_on_request_fails_naming_the_users_lines(local_world)
         assert "aten.native_batch_norm" in message
         assert f'{__file__}", line' in message and "in loss_fn" in message and "the user's line" in message
         assert "models.py" in message and "self.stem_norm(self.stem(x))" in message
+        # ... on its first line too, which is what a failing rank's report shows
+        assert "aten.native_batch_norm.default at " in message.splitlines()[0] and "models.py:" in message.splitlines()[0]
         assert chained
     for message, _ in local_world(2).run(batch_norm_in_bf16, "eager"):
         assert "expected scalar type BFloat16 but found Float" in message
@@ -179,6 +181,7 @@ def targets_out_of_range(mesh):
 def test_an_error_of_a_replayed_step_names_the_users_line(local_world):
     for message in local_world(2).run(targets_out_of_range):
         assert "Target 7 is out of bounds" in message
+        assert f"{__file__}:" in message.splitlines()[0] and "in loss_fn" in message.splitlines()[0]
         assert "aten.nll_loss" in message
         assert "in loss_fn" in message and "F.cross_entropy(apply_fn(p, x), y)" in message
 
