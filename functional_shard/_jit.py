@@ -12,6 +12,11 @@ trace. If any rank traces, every rank then compares the whole sequence of collec
 any of them runs, so ranks whose batches have different shapes (variable-length batches) run
 different graphs that issue the same collectives, and ranks that would issue different ones
 raise together instead of pairing mismatched messages.
+
+The replay runs the graph's generated function (`_replay.replay`), so that an operation that
+fails names the user's line; what a trace leaves in torch's process-wide caches (FX's
+generated sources, fake-tensor cache entries) goes with its graph when the bounded cache
+evicts it (`_retained`).
 """
 
 from __future__ import annotations
@@ -19,8 +24,6 @@ from __future__ import annotations
 import collections
 import contextvars
 import dataclasses
-import os
-import traceback
 import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -35,7 +38,7 @@ from . import _mesh, _tracing
 from . import schedule as schedule_lib
 from ._layout import Layout
 from ._pytree import tree_flatten, tree_paths
-from ._replay import make_fx_with_sources, replay
+from ._replay import culprit_frame, make_fx_with_sources, replay
 from ._retained import Retained
 from .schedule._graph import copy_graph, microbatch_label
 from .schedule._lower import drop_collectives, free_sent_and_received, gather_casts_in_place, gradients_in_place, runnable
@@ -211,18 +214,6 @@ _DATA_DEPENDENT = tuple(
 )
 
 
-def _culprit_frame(error: BaseException) -> str:
-    """The innermost frame outside torch and this library in `error`'s traceback, as
-    'file:line in function: code' — a frame of the user's code, or of a library such as
-    transformers that the user's code called."""
-    library = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)))
-    for frame in reversed(traceback.extract_tb(error.__traceback__)):
-        path = os.path.abspath(frame.filename)
-        if not path.startswith(library) and not path.startswith("<"):
-            return f"{frame.filename}:{frame.lineno} in {frame.name}: {(frame.line or '').strip()}"
-    return "(no frame outside torch found)"
-
-
 def trace(program: Callable[..., NamedTuple], mesh, key: CacheKey, io: FlatIO, inputs: list, schedule) -> CompiledStep:
     """Trace `program(shards, state, batch)` for `key` with fake tensors, label its
     collectives, apply `schedule`."""
@@ -246,7 +237,7 @@ def trace(program: Callable[..., NamedTuple], mesh, key: CacheKey, io: FlatIO, i
             detail = str(error).strip().splitlines()[0][:300] if str(error).strip() else type(error).__name__
             raise TraceError(
                 f"sharded_step could not trace loss_fn: the operation {op} needs the value of a tensor, at "
-                f"{_culprit_frame(error)} ({type(error).__name__}: {detail}). A traced step replays one graph for "
+                f"{culprit_frame(error)} ({type(error).__name__}: {detail}). A traced step replays one graph for "
                 f"every batch, so it cannot branch on data (Python if/while on a tensor, .item(), .tolist(), outputs "
                 f"whose shape depends on values). Run this loss eagerly with fs.Schedule(trace=False), or write the "
                 f"branch with torch.where"

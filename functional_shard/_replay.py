@@ -9,7 +9,7 @@ of the user's code that issued it (`node.meta["stack_trace"]`, as make_fx's
 methods: a loss computed in `loss_fn` itself is named too), and `replay` runs the graph's
 generated function directly; if it raises, the generated line gives the node, and the error is
 raised again, of the same type, its message followed by the operation and the user's frames,
-the original chained.
+the original chained. A trace that fails names the user's frame too (`culprit_frame`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import fx
 
-__all__ = ["make_fx_with_sources", "replay", "failing_node", "describe_node"]
+__all__ = ["make_fx_with_sources", "replay", "failing_node", "describe_node", "culprit_frame"]
 
 _TORCH = os.path.dirname(torch.__file__) + os.sep
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
@@ -62,6 +62,18 @@ def _user_stack(frame) -> str:
         if code:
             lines.append(f"    {code}")
     return "\n".join(lines)
+
+
+def culprit_frame(error: BaseException) -> str:
+    """The innermost frame outside torch and this library in `error`'s traceback, as
+    'file:line in function: code' — a frame of the user's code, or of a library such as
+    transformers that the user's code called."""
+    library = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)))
+    for frame in reversed(traceback.extract_tb(error.__traceback__)):
+        path = os.path.abspath(frame.filename)
+        if not path.startswith(library) and not path.startswith("<"):
+            return f"{frame.filename}:{frame.lineno} in {frame.name}: {(frame.line or '').strip()}"
+    return "(no frame outside torch found)"
 
 
 def make_fx_with_sources(f: Callable[..., Any]) -> Callable[..., fx.GraphModule]:
