@@ -46,6 +46,11 @@ OPERATIONS = (
     "fs.checkpoint.save",
     "fs.checkpoint.load",
     "fs.checkpoint.load_full",
+    "fs.checkpoint.load_dcp",
+    "fs.checkpoint.save_dcp",
+    "fs.analysis.autotune",
+    "fs.data.DataParallelSampler",
+    "fs.shutdown",
 )
 
 

@@ -184,7 +184,8 @@ def main(scale, fail_on_rank=None):
 if __name__ == "__main__":
     fail_on_rank = int(sys.argv[1]) if len(sys.argv) > 1 else None
     result = fs.launch(main, world_size=2, args=(10,), kwargs={{"fail_on_rank": fail_on_rank}})
-    print("RESULT " + json.dumps({{"rank": os.environ.get("RANK"), "result": result, "group_left": not dist.is_initialized()}}), flush=True)
+    sys.stdout.write("RESULT " + json.dumps({{"rank": os.environ.get("RANK"), "result": result, "group_left": not dist.is_initialized()}}) + "\\n")  # one write: lines of two ranks never interleave
+    sys.stdout.flush()
 """
 
 

@@ -228,6 +228,7 @@ class DataParallelSampler(torch.utils.data.Sampler):
                 f"dataset length {length}, batch_size {batch_size}, shuffle {shuffle}, seed {seed}, "
                 f"drop_last {drop_last}, start_step {start_step}, data axes {rank.axes}"
             )
+            mesh.agree("fs.data.DataParallelSampler")  # a collective entry point: every rank states it first
             mesh.check_same("fs.data.DataParallelSampler's settings", settings)
         self.dataset_length = length  # samples in the dataset
         self.batch_size = batch_size  # the global batch size
