@@ -54,9 +54,27 @@ OPERATIONS = (
 )
 
 
+# What each axis name means: one thing each. The data-parallel axes split the batch (`fsdp`
+# shards the parameters over its ranks, `replicate` keeps a copy on each); the model-parallel axes
+# split the model (`tp`: tensors, `fs.tensor_parallel`; `pp`: stages, `fs.pipeline`; `cp`: the
+# sequence), and their ranks see the same samples. A name outside these is refused, never
+# treated as a replica axis.
+DATA_PARALLEL_AXES = ("replicate", "fsdp")
+MODEL_PARALLEL_AXES = ("tp", "pp", "cp")
+AXIS_NAMES = DATA_PARALLEL_AXES + MODEL_PARALLEL_AXES
+
+
 def _check_axes(axes: dict[str, int]) -> tuple[tuple[str, ...], tuple[int, ...]]:
     if not isinstance(axes, dict) or not axes:
         raise ValueError(f"mesh axes must be a non-empty dict name -> size, e.g. {{'fsdp': 2}}; got {axes!r}")
+    unknown = [name for name in axes if name not in AXIS_NAMES]
+    if unknown:
+        raise ValueError(
+            f"unknown mesh axis name {unknown[0]!r} in {axes!r}: each axis name means one thing, and fs knows "
+            f"'replicate' (data parallel, parameters replicated), 'fsdp' (data parallel, parameters sharded), "
+            f"'tp' (tensor parallel), 'pp' (pipeline stages) and 'cp' (context parallel); rename it to the one "
+            f"you mean"
+        )
     for name, size in axes.items():
         if not isinstance(name, str) or not isinstance(size, int) or isinstance(size, bool) or size < 1:
             raise ValueError(f"mesh axis {name!r} must map a str to a positive int; got size {size!r} in {axes!r}")
@@ -124,6 +142,19 @@ class BaseMesh:
     @property
     def replicate_axes(self) -> tuple[str, ...]:
         return tuple(a for a in self.axis_names if a != self.shard_axis)
+
+    def check_data_parallel(self, what: str) -> None:
+        """Raises `MeshError` if an axis of this mesh splits the model (`tp`, `pp`, `cp` of size > 1):
+        `what` (e.g. `fs.sharded_step`) shards parameters over `fsdp` and replicates them over the
+        other axes, which would treat such an axis as a silent replica."""
+        split = [f"{a!r} (size {n})" for a, n in zip(self.axis_names, self.axis_sizes) if a in MODEL_PARALLEL_AXES and n > 1]
+        if split:
+            raise MeshError(
+                f"{what} does not apply the model-parallel axis {split[0]} of the {self.describe()} yet: it would "
+                f"replicate the parameters over it and average the gradients, which is data parallelism, not what "
+                f"the axis asks for. Use a mesh of 'replicate' and 'fsdp' axes for {what}; fs.tensor_parallel's "
+                f"collectives and fs.pipeline's schedules work on such axes on their own (docs/parallelism.md)"
+            )
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.shape}, shard_axis={self.shard_axis!r}, rank={self.rank})"

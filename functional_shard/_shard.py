@@ -84,6 +84,7 @@ def shard(tree: Any, mesh: BaseMesh, *, units: Units = None) -> Sharded:
 
     Returns a `Sharded`; `gather` of it gives `tree` back exactly.
     """
+    mesh.check_data_parallel("fs.shard")
     return shard_leaves(*make_layout(tree, mesh.num_shards, units=units), mesh)
 
 
@@ -149,6 +150,7 @@ def reduce_scatter(tree: Any, mesh: BaseMesh, *, units: Units = None) -> Sharded
         mesh: the mesh.
         units: as for `shard`; the same policy gives the same layout as `shard`.
     """
+    mesh.check_data_parallel("fs.reduce_scatter")
     layout, leaves = make_layout(tree, mesh.num_shards, units=units)
     shards = []
     for spec in layout.buffers:

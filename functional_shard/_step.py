@@ -125,6 +125,7 @@ class ShardedStep:
             raise TypeError(f"loss_fn must be callable; got {type(loss_fn).__name__}")
         if not isinstance(mesh, BaseMesh):
             raise TypeError(f"mesh must be a mesh made by fs.init_mesh (an fs.BaseMesh); got {type(mesh).__name__}")
+        mesh.check_data_parallel("fs.sharded_step")
         optimizer = as_optimizer(optimizer)  # a torch.optim object: a TypeError naming its fs equivalent
         if not isinstance(schedule, Schedule):
             raise TypeError(f"schedule must be an fs.Schedule; got {type(schedule).__name__}")

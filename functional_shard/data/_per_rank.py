@@ -27,13 +27,15 @@ from typing import Any, NamedTuple
 
 import torch
 
+from .. import _mesh
 from .._mesh import BaseMesh
 from .._pytree import tree_flatten, tree_paths, tree_unflatten
 
 __all__ = ["MODEL_PARALLEL_AXES", "DataRank", "DataParallelSampler", "data_rank", "local_batch"]
 
-# Mesh axes that split the model rather than the batch: ranks along them are fed the same samples.
-MODEL_PARALLEL_AXES = ("tp", "pp", "cp")
+# Mesh axes that split the model rather than the batch (`fs.init_mesh`'s meaning of the names):
+# ranks along them are fed the same samples.
+MODEL_PARALLEL_AXES = _mesh.MODEL_PARALLEL_AXES
 
 
 class DataRank(NamedTuple):
