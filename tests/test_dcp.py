@@ -332,6 +332,46 @@ def test_a_metadata_pickle_that_runs_code_is_refused_unexecuted(fsdp2_checkpoint
     assert marker.exists()
 
 
+class _Bait:
+    pass
+
+
+class _EnumsByGetattr(pickle.Pickler):
+    """Pickles enum members as Python 3.11.2 does: `getattr(<enum class>, <member name>)`."""
+
+    def reducer_override(self, obj):
+        import enum
+
+        if isinstance(obj, enum.Enum):
+            return getattr, (type(obj), obj.name)
+        if isinstance(obj, _Bait):
+            return getattr, (torch.Size, "mro")  # a getattr on anything else: refused
+        return NotImplemented
+
+
+def test_enum_members_pickled_by_getattr_load_and_other_getattrs_are_refused(fsdp2_checkpoint, tmp_path):
+    """The memory-format enum in DCP's metadata pickles as a call (Python 3.11.7+) or as a getattr
+    (3.11.2, CI's interpreter): both read the same; a getattr of anything else is refused."""
+    import io
+
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+    directory, *_ = fsdp2_checkpoint
+    metadata = FileSystemReader(os.path.join(directory, "recipe")).read_metadata()  # trusted: our own test file
+    for name, obj, refused in (("getattr", metadata, False), ("bait", [metadata, _Bait()], True)):
+        copy = tmp_path / name
+        shutil.copytree(os.path.join(directory, "recipe"), copy)
+        buffer = io.BytesIO()
+        _EnumsByGetattr(buffer).dump(obj)
+        assert b"getattr" in buffer.getvalue()
+        (copy / ".metadata").write_bytes(buffer.getvalue())
+        if refused:
+            with pytest.raises(CheckpointError, match=r"refused getattr\(.*'mro'\)"):
+                read_metadata(copy)
+        else:
+            assert read_metadata(copy)._replace(directory=None) == read_metadata(os.path.join(directory, "recipe"))._replace(directory=None)
+
+
 def test_a_data_item_that_runs_code_or_lies_outside_is_refused(tmp_path):
     marker = tmp_path / "ran"
     for name, file in (("evil", "__0_0.distcp"), ("outside", "../__0_0.distcp")):

@@ -132,6 +132,28 @@ def _layout_by_name(name: Any) -> torch.layout:
     return value
 
 
+class _MemoryFormats:
+    """Stands in for DCP's `_MEM_FORMAT_ENCODING` enum. Python pickles an enum member as a call of
+    the class with its value (3.11.7 and later) or as `getattr(<class>, <member name>)` (3.11.2
+    and earlier); both give the member's int value here."""
+
+    def __init__(self) -> None:
+        from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
+
+        self.values = {member.name: member.value for member in _MEM_FORMAT_ENCODING}
+
+    def __call__(self, value: Any) -> Any:
+        return value
+
+
+def _member_of(owner: Any, name: Any) -> Any:
+    """Stands in for `builtins.getattr` in a DCP metadata pickle: only a member of the memory-format
+    enum is looked up; any other `getattr` (`getattr(os, "system")`) is refused."""
+    if isinstance(owner, _MemoryFormats) and isinstance(name, str) and name in owner.values:
+        return owner.values[name]
+    raise pickle.UnpicklingError(f"refused getattr({owner!r:.40}, {name!r:.40}): only an enum member of DCP's metadata is looked up")
+
+
 def _allowed() -> dict[tuple[str, str], Any]:
     """(module, name) -> what `find_class` gives for it. Fresh classes on every call: a pickle
     can set attributes of a class it names (BUILD), and must not change torch's classes nor
@@ -139,7 +161,8 @@ def _allowed() -> dict[tuple[str, str], Any]:
     allowed: dict[tuple[str, str], Any] = {
         key: type(key[1], (_Record,), {"_fields": fields, "__module__": __name__}) for key, fields in _RECORDS.items()
     }
-    allowed["torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"] = lambda value: value
+    allowed["torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"] = _MemoryFormats()
+    allowed["builtins", "getattr"] = _member_of
     allowed["torch", "Size"] = lambda values=(): tuple(values)
     allowed["torch.serialization", "_get_layout"] = _layout_by_name
     for module in ("pathlib", "pathlib._local"):  # a save's checkpoint_id (Python 3.13 moved the classes)
