@@ -28,15 +28,15 @@ from typing import Any, Mapping, NamedTuple, Sequence
 
 import torch
 
-from .._export import state_dict_names
+from .._export import create_new_file, fsync_dir, state_dict_names
 from .._layout import Layout
-from .._mesh import BaseMesh, _coordinates
 from .._shard import _check_shards
 from .._step import StepState, check_not_donated
 from ._dcp import ADAMW_STATE, _adamw_of
 from ._dcp_files import METADATA
 from ._format import CheckpointError, shard_pieces
 from ._full import flat_range_slices
+from ._save import shard_writers
 
 __all__ = ["save_dcp"]
 
@@ -92,7 +92,7 @@ def save_dcp(
         leaves, _, k = _adamw_of(state.opt_state)
         adam = leaves[k]
     groups = _param_groups(param_groups, layout, optim_key) if optim_key is not None else []
-    writers = _writers(mesh)
+    writers = shard_writers(mesh)
     plan = {rank: _boxes(layout, adam, shard) for shard, rank in writers.items()}
     plan[0] = plan.get(0, []) + _whole_items(layout, adam, state_dict_names(layout))
     mine = plan.get(mesh.rank, [])
@@ -225,7 +225,7 @@ def _moment_dtype(layout: Layout, adam: Any, item: _Item) -> torch.dtype:
 def _write_file(file: Path, values: list[Any]) -> list[int]:
     """Write `torch.save` of each value back to back into a new `file`; their byte lengths."""
     lengths = []
-    with create_new(file) as f:
+    with create_new_file(file) as f:
         for value in values:
             lengths.append(write_item(f, value)[1])
         f.flush()
@@ -308,16 +308,6 @@ def _metadata(layout, adam, plan, sizes, groups, model_key, optim_key) -> bytes:
     return metadata_bytes(tensors, objects)
 
 
-def _writers(mesh: BaseMesh) -> dict[int, int]:
-    """Shard index -> the rank that writes it: the one at coordinate 0 on every replicate axis."""
-    out = {}
-    for rank in range(mesh.world_size):
-        coordinates = _coordinates(mesh, rank)
-        if all(coordinates[axis] == 0 for axis in mesh.replicate_axes):
-            out[coordinates[mesh.shard_axis]] = rank
-    return out
-
-
 def _partial(path: Path, code: int) -> Path:
     return path.with_name(f"{path.name}.partial-{code:016x}")
 
@@ -351,28 +341,12 @@ def data_file(rank: int) -> str:
     return f"__{rank}_0.distcp"
 
 
-def create_new(path: Path):
-    """A new file at `path`, open for binary writing: never a file or link that was there
-    (`O_EXCL | O_NOFOLLOW`)."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-    return os.fdopen(os.open(path, flags, 0o666), "wb")
-
-
 def write_durably(path: Path, data: bytes) -> None:
     """Write `data` as the new file `path`, fsynced."""
-    with create_new(path) as f:
+    with create_new_file(path) as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-
-
-def fsync_dir(path: Path) -> None:
-    """Make the entries of directory `path` (a rename into it) durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def write_item(f, value: Any) -> tuple[int, int]:

@@ -75,7 +75,7 @@ def save(path: str | os.PathLike, state: StepState, *, overwrite: bool = False) 
     slots, structure = optimizer_slots(state.opt_state, layout)
     path = Path(os.path.abspath(path))
     mesh.check_same("the checkpoint's path and contents", f"{path}|{layout.signature()}|{structure}")
-    writers = _writers(mesh)
+    writers = shard_writers(mesh)
 
     # Rank 0 picks the directory to write into and writes the index there first, so that an
     # interrupted save can always say which files it lacks.
@@ -164,7 +164,7 @@ def _json(index: dict) -> bytes:
     return json.dumps(index, indent=1).encode()
 
 
-def _writers(mesh: BaseMesh) -> dict[int, int]:
+def shard_writers(mesh: BaseMesh) -> dict[int, int]:
     """Shard index -> the rank that writes it: the one at coordinate 0 on every replicate axis."""
     writers = {}
     for rank in range(mesh.world_size):
