@@ -8,6 +8,13 @@ part of any flat buffer: each rank keeps its own copy whole.
 
 A layout is immutable and hashable; it is all that `gather(shard(tree)) == tree` needs to be
 exact for any shapes (0-d and empty included) and any dtype.
+
+On a mesh with a tensor-parallel axis, FSDP is one placement among others: the tree laid out is
+the rank's *tensor-parallel-local* tree (each leaf already cut by its placement, e.g.
+`Split(0, "tp")`), the layout records each leaf's placement and full shape, and leaves that are
+split and leaves that are whole on every rank of the model axes go to buffers of their own (a
+unit with both gets `<unit>` and `<unit>/replicated`), so that a reduction over the whole model
+counts each of them once (`Layout.replicated_buffers`).
 """
 
 from __future__ import annotations
@@ -91,6 +98,10 @@ class Layout:
         buffers: the flat buffers (units x dtypes x roles), in order of first appearance.
         local: indices of the leaves that are not sharded (module buffers), kept whole per rank.
         num_shards: size of the mesh's shard axis.
+        placements: per leaf, its tensor-parallel placement (`fs.tensor_parallel.Split` with a
+            non-negative dim) or None for a leaf every rank of the model axes holds whole; `()`
+            when no leaf is split (then `shapes` are the full shapes).
+        full_shapes: per leaf, its shape before the placement cut it (`()` when no leaf is split).
     """
 
     treedef: optree.PyTreeSpec
@@ -101,6 +112,8 @@ class Layout:
     buffers: tuple[BufferSpec, ...]
     local: tuple[int, ...]
     num_shards: int
+    placements: tuple = ()
+    full_shapes: tuple[tuple[int, ...], ...] = ()
 
     def __hash__(self) -> int:
         # A step looks its traced graph up by layout on every call: hash the (possibly
@@ -121,7 +134,29 @@ class Layout:
             for p, s, d, r in zip(self.paths, self.shapes, self.dtypes, self.roles)
         )
         units = ";".join(f"{b.name}={b.leaves}:{b.gather_dtype}:{b.reduce_dtype}" for b in self.buffers)
-        return f"{self.treedef}|{leaves}|{units}|{self.num_shards}"
+        split = ";".join(f"{i}:{p!r}" for i, p in enumerate(self.placements) if p is not None)
+        return f"{self.treedef}|{leaves}|{units}|{self.num_shards}|{split}"
+
+    def placement(self, index: int):
+        """Leaf `index`'s tensor-parallel placement, or None when every rank holds it whole."""
+        return self.placements[index] if self.placements else None
+
+    def full_shape(self, index: int) -> tuple[int, ...]:
+        """Leaf `index`'s shape before its placement cut it."""
+        return self.full_shapes[index] if self.full_shapes else self.shapes[index]
+
+    @property
+    def is_split(self) -> bool:
+        """Whether some leaf is split over a model-parallel axis."""
+        return any(p is not None for p in self.placements)
+
+    @property
+    def replicated_buffers(self) -> frozenset[str]:
+        """Names of the buffers whose leaves every rank of the model-parallel axes holds whole
+        (empty when no leaf is split): a sum over the whole model counts them on one such rank."""
+        if not self.is_split:
+            return frozenset()
+        return frozenset(b.name for b in self.buffers if all(self.placements[i] is None for i in b.leaves))
 
     def describe_leaf(self, index: int) -> str:
         shape = list(self.shapes[index])
@@ -162,7 +197,13 @@ def _device_of(parts: list[torch.Tensor]) -> torch.device:
 
 
 def make_layout(
-    tree: Any, num_shards: int, *, units: Units = None, precision: Any = None
+    tree: Any,
+    num_shards: int,
+    *,
+    units: Units = None,
+    precision: Any = None,
+    placements: Sequence[Any] | None = None,
+    full_shapes: Sequence[tuple[int, ...]] | None = None,
 ) -> tuple[Layout, list[torch.Tensor]]:
     """The layout of `tree` over `num_shards` shards, and its leaves (flatten order).
 
@@ -206,7 +247,9 @@ def make_layout(
         unit_of = dict(zip(sharded, assign_units(units, [paths[i] for i in sharded])))
     except ValueError as error:
         raise LayoutError(str(error)) from None
-    groups: dict[tuple[str, bool, torch.dtype, torch.dtype, torch.dtype], list[int]] = {}
+    placements = tuple(placements) if placements is not None and any(p is not None for p in placements) else ()
+    split = [bool(placements) and placements[i] is not None for i in range(len(leaves))]
+    groups: dict[tuple[str, bool, bool, torch.dtype, torch.dtype, torch.dtype], list[int]] = {}
     for i in sharded:
         path, leaf, role, unit = paths[i], leaves[i], roles[i], unit_of[i]
         # Only floating leaves can be differentiated; others are carried like frozen ones.
@@ -217,14 +260,18 @@ def make_layout(
             gather, reduce = precision.dtypes(path, unit, leaf.dtype, batch_norm=True)
         else:
             gather, reduce = precision.dtypes(path, unit, leaf.dtype)
-        groups.setdefault((unit, trainable, leaf.dtype, gather, reduce), []).append(i)
-    per_unit_role: dict[tuple[str, bool], list[tuple]] = {}
-    for unit, trainable, *dtypes in groups:
-        per_unit_role.setdefault((unit, trainable), []).append(tuple(dtypes))
+        groups.setdefault((unit, trainable, split[i], leaf.dtype, gather, reduce), []).append(i)
+    per_unit_role: dict[tuple[str, bool, bool], list[tuple]] = {}
+    kinds: dict[tuple[str, bool], set[bool]] = {}
+    for unit, trainable, is_split, *dtypes in groups:
+        per_unit_role.setdefault((unit, trainable, is_split), []).append(tuple(dtypes))
+        kinds.setdefault((unit, trainable), set()).add(is_split)
     specs = []
-    for (unit, trainable, dtype, gather, reduce), members in groups.items():
+    for (unit, trainable, is_split, dtype, gather, reduce), members in groups.items():
         name = unit + ("" if trainable else "/frozen")
-        siblings = per_unit_role[unit, trainable]
+        if not is_split and len(kinds[unit, trainable]) > 1:
+            name += "/replicated"
+        siblings = per_unit_role[unit, trainable, is_split]
         if len({d[0] for d in siblings}) > 1:
             name += "/" + str(dtype).removeprefix("torch.")
         if len({d[1:] for d in siblings if d[0] == dtype}) > 1:
@@ -255,6 +302,8 @@ def make_layout(
         buffers=tuple(specs),
         local=tuple(local),
         num_shards=num_shards,
+        placements=placements,
+        full_shapes=tuple(tuple(s) for s in full_shapes) if placements and full_shapes is not None else (),
     )
     return layout, leaves
 

@@ -7,6 +7,10 @@ For this rank's trainable shards `s`, frozen shards `f`, local leaves `b` and ba
     s, opt_state = optimizer.apply(grads, opt_state, s, scalars)
     loss = all_reduce(loss_r) / world_size
 
+`world_size` is the number of data-parallel ranks (`mesh.data_size`) and the sums run over the
+data axes (`mesh.data_axes`): ranks of a tensor-parallel axis compute one loss together, on
+their pieces of the parameters (`fs.tensor_parallel`), and hold their own pieces' gradients.
+
 With a `WeightedLoss` (and one micro-batch), the weights are summed over ranks between the
 forward and the backward, and the backward starts from `1 / sum_r w_r` instead of the gradient
 being divided after it (`_weighted_seed`). `grad` runs `loss_fn` under torch.func's transform
@@ -222,12 +226,12 @@ def gradients(fn: StepFunction, layout: Layout, shards, local, batch, loss_scale
     with _tracing.phase("update"):
         if weights[0] is None:
             # The plain mean over ranks and micro-batches: divided by a count.
-            count = mesh.world_size * fn.microbatches
+            count = mesh.data_size * fn.microbatches
             loss_total = losses[0].reshape(1).float()
             for l in losses[1:]:
                 loss_total = loss_total + l.float()
             loss = losses[0] if len(losses) == 1 else (loss_total / len(losses)).reshape(()).to(losses[0].dtype)
-            mean_loss = (mesh.all_reduce_flat(loss_total) / count).reshape(())
+            mean_loss = (mesh.all_reduce_flat(loss_total, mesh.data_axes) / count).reshape(())
             # x / 1 is x, bit for bit: one rank and one micro-batch skip a pass over the gradients.
             mean = {name: g / count if count != 1 else g for name, g in zip(names, total)}
         else:
@@ -238,7 +242,7 @@ def gradients(fn: StepFunction, layout: Layout, shards, local, batch, loss_scale
                 mean = dict(zip(names, total))
             else:
                 # One collective for both: [sum over ranks and micro-batches of w * loss, of w].
-                sums = mesh.all_reduce_flat(torch.stack([loss_sum, weight_sum]))
+                sums = mesh.all_reduce_flat(torch.stack([loss_sum, weight_sum]), mesh.data_axes)
                 mean = {name: g / sums[1].to(g.dtype) for name, g in zip(names, total)}
             mean_loss = (sums[0] / sums[1]).reshape(())
             loss = (loss_sum / weight_sum).to(losses[0].dtype)
@@ -268,7 +272,7 @@ def _weighted_seed(extras: tuple, mesh: BaseMesh, seeded: list) -> torch.Tensor 
     if not isinstance(weight, torch.Tensor) or loss.dtype not in (torch.float32, torch.float64):
         return None
     with _tracing.phase("forward"):
-        sums = mesh.all_reduce_flat(torch.stack([loss.float() * weight, weight]))
+        sums = mesh.all_reduce_flat(torch.stack([loss.float() * weight, weight]), mesh.data_axes)
     seeded.append(sums)
     return (1 / sums[1]).to(loss.dtype)
 
@@ -396,7 +400,9 @@ def update(fn: StepFunction, layout: Layout, shards, local, opt_state, loss_scal
     grads, local, loss, mean, aux, microbatch_losses = gradients(fn, layout, shards, local, batch, loss_scale)
     trainable = {spec.name: s for spec, s in zip(layout.buffers, shards) if spec.trainable}
     with _tracing.phase("update"):
-        norm = global_norm(list(grads.values()), fn.mesh) if grads else torch.zeros(())
+        # Leaves every rank of the tensor-parallel axis holds whole count once in the norm.
+        replicated = [name in layout.replicated_buffers for name in grads] if layout.is_split else None
+        norm = global_norm(list(grads.values()), fn.mesh, replicated=replicated) if grads else torch.zeros(())
         new_trainable, new_opt_state = fn.optimizer.apply(
             grads, opt_state, trainable, scalars, inplace=fn.donate, mesh=fn.mesh,
             leaves=LeafLayout.of_shards(layout, fn.mesh.shard_index),
@@ -423,10 +429,10 @@ def evaluate(fn: StepFunction, layout: Layout, shards, local, batch) -> EvalOutp
     _, (loss, weight, *aux) = _objective(fn, out, None)
     with _tracing.phase("update"):
         if isinstance(weight, torch.Tensor):
-            sums = mesh.all_reduce_flat(torch.stack([loss.float() * weight, weight]))
+            sums = mesh.all_reduce_flat(torch.stack([loss.float() * weight, weight]), mesh.data_axes)
             mean = (sums[0] / sums[1]).reshape(())
         else:
-            mean = (mesh.all_reduce_flat(loss.reshape(1).float()) / mesh.world_size).reshape(())
+            mean = (mesh.all_reduce_flat(loss.reshape(1).float(), mesh.data_axes) / mesh.data_size).reshape(())
     return EvalOutput(local, mean, loss, aux[0] if fn.has_aux else None)
 
 

@@ -20,7 +20,9 @@ from ._collectives import AllReduceFlat, GatherFlat, ReduceScatterFlat, gather_b
 from ._layout import BufferSpec, Layout, LayoutError, make_layout
 from ._mesh import BaseMesh
 from ._pytree import pytree_dataclass, static_field, tree_flatten
+from ._placed import place, resolve_placements
 from ._units import Units
+from .tensor_parallel._collectives import gather_leaf
 
 __all__ = ["Sharded", "shard", "gather", "reduce_scatter", "all_reduce", "gather_buffer", "gather_full"]
 
@@ -71,7 +73,7 @@ class Sharded:
         )
 
 
-def shard(tree: Any, mesh: BaseMesh, *, units: Units = None) -> Sharded:
+def shard(tree: Any, mesh: BaseMesh, *, units: Units = None, placements: Any = None) -> Sharded:
     """Cut a pytree into flat per-unit buffers and keep this rank's slice of each.
 
     Arguments:
@@ -81,11 +83,17 @@ def shard(tree: Any, mesh: BaseMesh, *, units: Units = None) -> Sharded:
         mesh: the mesh; slices are taken along its shard axis.
         units: the unit policy, an `fs.UnitPolicy` or a function `path -> unit name` (default
             `fs.BlockUnits()`: one unit per repeated block, `input` and `output` around them).
+        placements: tensor-parallel placement rules (`fs.tensor_parallel`), required on a mesh
+            with a `tp` axis: each leaf is first cut by its placement, and the flat buffers of
+            this rank's pieces are sharded over the shard axis.
 
-    Returns a `Sharded`; `gather` of it gives `tree` back exactly.
+    Returns a `Sharded`; `gather` of it gives `tree` back exactly (`gather(..., full=True)`
+    with placements: `gather` alone gives this rank's pieces).
     """
-    mesh.check_data_parallel("fs.shard")
-    return shard_leaves(*make_layout(tree, mesh.num_shards, units=units), mesh)
+    mesh.check_model_axes("fs.shard", supported=("tp",) if placements is not None else ())
+    resolved = resolve_placements(tree, placements, mesh)
+    layout, pieces = place(tree, resolved, mesh, units=units)
+    return shard_leaves(layout, pieces, mesh)
 
 
 def shard_leaves(layout: Layout, leaves: list[torch.Tensor], mesh: BaseMesh) -> Sharded:
@@ -94,7 +102,7 @@ def shard_leaves(layout: Layout, leaves: list[torch.Tensor], mesh: BaseMesh) -> 
     return Sharded(layout, mesh, shards, [leaves[i] for i in layout.local])
 
 
-def gather(sharded: Sharded) -> Any:
+def gather(sharded: Sharded, *, full: bool = False) -> Any:
     """All-gather every buffer of a `Sharded` and rebuild the full pytree, on every rank.
 
     Differentiable in the shards of floating dtype: the gradient is `reduce_scatter` of the
@@ -102,6 +110,9 @@ def gather(sharded: Sharded) -> Any:
 
     Arguments:
         sharded: made by `shard` or `reduce_scatter` (or a `torch.func` transform of one).
+        full: with tensor-parallel placements, also join every split leaf over its axis
+            (`fs.tensor_parallel.gather_leaf`): the original tree on every rank. Default: this
+            rank's pieces (what a tensor-parallel `loss_fn` computes with).
     """
     if not isinstance(sharded, Sharded):
         raise TypeError(f"gather expects a Sharded (made by fs.shard); got {type(sharded).__name__}")
@@ -110,6 +121,8 @@ def gather(sharded: Sharded) -> Any:
     leaves: dict[int, torch.Tensor] = {}
     for spec, s in zip(layout.buffers, sharded.shards):
         leaves.update(zip(spec.leaves, gather_buffer(layout, spec, s, mesh, differentiable=spec.dtype.is_floating_point)))
+    if full and layout.is_split:
+        leaves = {i: t if layout.placements[i] is None else gather_leaf(t, layout.placements[i], mesh) for i, t in leaves.items()}
     return layout.assemble(leaves, sharded.local)
 
 

@@ -64,9 +64,13 @@ class SimulatedMesh(BaseMesh):
         return [everyone[r] for r in self._group(axes)]
 
     def all_gather_flat(self, shard: torch.Tensor) -> torch.Tensor:
+        if self.shard_axis is None:
+            return shard.clone()
         return torch.cat(self._exchange(shard, (self.shard_axis,)))
 
     def reduce_scatter_flat(self, full: torch.Tensor) -> torch.Tensor:
+        if self.shard_axis is None:
+            return full.clone()
         total = _ordered_sum(self._exchange(full, (self.shard_axis,)))
         return total.chunk(self.num_shards)[self.shard_index].clone()
 

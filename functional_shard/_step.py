@@ -20,7 +20,8 @@ import contextlib
 from . import _nonfinite, _reference
 from ._jit import Jit, agree
 from ._layout import Layout, make_layout
-from ._mesh import BaseMesh
+from ._mesh import BaseMesh, MeshError
+from ._placed import place, resolve_placements, split_leaves
 from ._pytree import pytree_dataclass, static_field
 from ._checks import broadcast_from_rank0, check_leaves, check_same_values, optimizer_facts, scalar_facts, step_facts
 from ._reference import StepError, StepFunction
@@ -120,12 +121,20 @@ class ShardedStep:
         precision: Precision | None = None,
         microbatches: int = 1,
         nonfinite: NonFinite | str | None = None,
+        placements: Any = None,
     ):
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable; got {type(loss_fn).__name__}")
         if not isinstance(mesh, BaseMesh):
             raise TypeError(f"mesh must be a mesh made by fs.init_mesh (an fs.BaseMesh); got {type(mesh).__name__}")
-        mesh.check_data_parallel("fs.sharded_step")
+        mesh.check_model_axes("fs.sharded_step", supported=("tp",))
+        if placements is None and mesh.model_axes:
+            raise MeshError(
+                f"the {mesh.describe()} has a tensor-parallel axis {mesh.model_axes[0]!r} but fs.sharded_step was given "
+                f"no placements: every leaf would be whole on every rank of it and its ranks would compute the same "
+                f"thing. Pass placements=fs.tensor_parallel.hf_rules(model) (or gpt_rules(config), or your own rules), "
+                f"and run the model through fs.tensor_parallel.parallelize (docs/parallelism.md)"
+            )
         optimizer = as_optimizer(optimizer)  # a torch.optim object: a TypeError naming its fs equivalent
         if not isinstance(schedule, Schedule):
             raise TypeError(f"schedule must be an fs.Schedule; got {type(schedule).__name__}")
@@ -156,6 +165,7 @@ class ShardedStep:
         self.donate = donate
         self.precision = precision
         self.microbatches = microbatches
+        self.placements = placements
         input_dtype = precision.input_dtype() if precision is not None else None
         self._fn = StepFunction(
             loss_fn, mesh, optimizer, has_aux, donate, microbatches, schedule.accumulate, loss_scale, input_dtype
@@ -202,20 +212,22 @@ class ShardedStep:
             raise ValueError(f"init(values=...) must be 'check', 'broadcast' or 'trust'; got {values!r}")
         if not isinstance(seed, int) or isinstance(seed, bool):
             raise ValueError(f"init(seed=...) must be an int; got {seed!r}")
-        layout, leaves = make_layout(params, self.mesh.num_shards, units=self.units, precision=self.precision)
-        check_leaves(layout, leaves, self.mesh, meta_ok=initialize is not None)
+        placements = resolve_placements(params, self.placements, self.mesh)
+        full_layout, leaves = make_layout(params, self.mesh.num_shards, units=self.units, precision=self.precision)
+        check_leaves(full_layout, leaves, self.mesh, meta_ok=initialize is not None)
+        layout = full_layout if placements is None else place(params, placements, self.mesh, units=self.units, precision=self.precision)[0]
         self.mesh.agree("step.init")
-        self.mesh.check_same("the parameter pytree (paths, shapes, dtypes, units)", layout.signature())
+        self.mesh.check_same("the parameter pytree (paths, shapes, dtypes, units, placements)", layout.signature())
         with torch.no_grad():
             leaves = [leaf.detach() for leaf in leaves]
             if initialize is not None:
-                sharded = shard_from(initialize, layout, leaves, self.mesh)
+                sharded = shard_from(initialize, layout, leaves, self.mesh, full_layout=full_layout)
             else:
                 if values == "broadcast":
-                    leaves = broadcast_from_rank0(layout, leaves, self.mesh)
+                    leaves = broadcast_from_rank0(full_layout, leaves, self.mesh)
                 elif values == "check":
-                    check_same_values(layout, leaves, self.mesh)
-                sharded = shard_leaves(layout, leaves, self.mesh)
+                    check_same_values(full_layout, leaves, self.mesh)
+                sharded = shard_leaves(layout, split_leaves(leaves, placements, self.mesh), self.mesh)
             opt_state = self.optimizer.init(_trainable(sharded), leaves=LeafLayout.of_shards(layout, self.mesh.shard_index))
         loss_scale = self._fn.loss_scale.init() if self._fn.loss_scale is not None else None
         return StepState(sharded, opt_state, loss_scale, torch.tensor(seed, dtype=torch.int64), 0, self._key)
@@ -229,7 +241,8 @@ class ShardedStep:
             params: the parameter pytree, typically on the meta device (a model built under
                 `torch.device("meta")`, then `fs.functionalize`); only shapes and dtypes are read.
         """
-        layout, leaves = make_layout(params, self.mesh.num_shards, units=self.units, precision=self.precision)
+        placements = resolve_placements(params, self.placements, self.mesh)
+        layout, leaves = place(params, placements, self.mesh, units=self.units, precision=self.precision)
         shards = [torch.empty(spec.shard_numel, dtype=spec.dtype, device="meta") for spec in layout.buffers]
         local = [torch.empty(leaves[i].shape, dtype=leaves[i].dtype, device="meta") for i in layout.local]
         sharded = Sharded(layout, self.mesh, shards, local)
@@ -329,7 +342,9 @@ class ShardedStep:
         queueing a seed for every other device type: ~1 ms a step)."""
         device = getattr(self.mesh, "device", torch.device("cpu"))
         devices = [device] if device.type == "cuda" else []
-        seed = _stream_seed(int(state.rng), state.step, self.mesh.rank)
+        # Per data-parallel rank: ranks that differ only on the tensor-parallel axis draw the same
+        # numbers (the same dropout mask on the activations they all hold); `rank` without one.
+        seed = _stream_seed(int(state.rng), state.step, self.mesh.data_rank)
         with torch.random.fork_rng(devices=devices):
             torch.default_generator.manual_seed(seed)
             if devices:
@@ -475,6 +490,7 @@ def sharded_step(
     precision: Precision | None = None,
     microbatches: int = 1,
     nonfinite: NonFinite | str | None = None,
+    placements: Any = None,
 ) -> ShardedStep:
     """Make a fully sharded (FSDP / ZeRO-3) training step for `loss_fn`.
 
@@ -512,6 +528,12 @@ def sharded_step(
             `metrics["skipped"]` and warn; `"raise"` (the default with `donate=True`, which
             cannot keep the old state): `fs.NonFiniteError` on every rank; `"apply"`: apply
             it anyway. fp16 loss scaling always skips (see `fs.LossScale`).
+        placements: with a `tp` axis in the mesh, the tensor-parallel placement rules of the
+            leaves (`fs.tensor_parallel.hf_rules(model)`, `gpt_rules(config)`, rules of your own,
+            or a dict pattern -> `Split`/`Replicated`; first match wins): `init` cuts each leaf
+            by its placement and FSDP shards the pieces over `fsdp`; `loss_fn` receives this
+            rank's pieces and applies the tensor-parallel collectives (`fs.tensor_parallel`:
+            `parallelize(model, rules, mesh)` does it for a module). Required with `tp` > 1.
 
     `loss_fn` may return `fs.WeightedLoss(loss, weight)` (e.g. its count of non-ignored
     tokens) to weigh ranks and micro-batches: the step then trains on the weighted mean,
@@ -531,4 +553,5 @@ def sharded_step(
         precision=precision,
         microbatches=microbatches,
         nonfinite=nonfinite,
+        placements=placements,
     )

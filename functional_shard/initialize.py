@@ -89,12 +89,50 @@ class LeafSource:
         pass
 
 
+class _Pieces(LeafSource):
+    """A source of the full leaves (laid out by `full`) read as this rank's tensor-parallel
+    pieces of them (laid out by `layout`): a split leaf is made whole once, cut, and read from."""
+
+    def __init__(self, source: LeafSource, layout: Layout, mesh: BaseMesh):
+        self.source, self.layout, self.mesh = source, layout, mesh
+        self._piece: dict[int, torch.Tensor] = {}
+
+    def read(self, leaf: int, start: int, length: int) -> torch.Tensor:
+        placement = self.layout.placement(leaf)
+        if placement is None:
+            return self.source.read(leaf, start, length)
+        if leaf not in self._piece:
+            from .tensor_parallel._placement import split_tensor
+
+            self._piece.clear()  # one leaf at a time: read in leaf order within a buffer
+            whole = self.source.whole(leaf).reshape(self.layout.full_shape(leaf))
+            index, size = self.mesh.coordinates[placement.axis], self.mesh.shape[placement.axis]
+            self._piece[leaf] = split_tensor(whole, placement, index, size).reshape(-1)
+        return self._piece[leaf][start : start + length]
+
+    def whole(self, leaf: int) -> torch.Tensor:
+        return self.source.whole(leaf)
+
+    def close(self) -> None:
+        self.source.close()
+
+
 def shard_from(
-    initialize: Initializer, layout: Layout, leaves: list[torch.Tensor], mesh: BaseMesh, *, operation: str = OPERATION
+    initialize: Initializer,
+    layout: Layout,
+    leaves: list[torch.Tensor],
+    mesh: BaseMesh,
+    *,
+    operation: str = OPERATION,
+    full_layout: Layout | None = None,
 ) -> Sharded:
     """This rank's `Sharded` for `layout`, made by `initialize` one leaf at a time (what
     `step.init(params, initialize=...)` runs). Raises on every rank if any rank fails (the
-    first error here, `InitError` naming the ranks elsewhere); no collective runs in between."""
+    first error here, `InitError` naming the ranks elsewhere); no collective runs in between.
+
+    With tensor-parallel placements, `layout` lays out this rank's pieces and `full_layout` the
+    full leaves `leaves` (what the initializer makes): each split leaf is made whole once and
+    cut, so the values are the same at any placement."""
     from .checkpoint._format import shard_pieces  # the checkpoint package imports the step
 
     if not isinstance(initialize, Initializer):
@@ -105,7 +143,10 @@ def shard_from(
     device = getattr(mesh, "device", torch.device("cpu"))
     sharded, error = None, None
     try:
-        source = initialize.open(layout, leaves)
+        if layout.is_split:
+            source = _Pieces(initialize.open(full_layout, leaves), layout, mesh)
+        else:
+            source = initialize.open(layout, leaves)
         try:
             shards = []
             for spec in layout.buffers:

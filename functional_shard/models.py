@@ -153,13 +153,15 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.n_head = config.n_head
+        self.head_dim = config.d_model // config.n_head
         self.qkv = nn.Linear(config.d_model, 3 * config.d_model, bias=config.bias)
         self.proj = nn.Linear(config.d_model, config.d_model, bias=config.bias)
         self.attn_dropout = nn.Dropout(config.dropout)
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = rearrange(self.qkv(x), "b t (three h d) -> three b h t d", three=3, h=self.n_head)
+        # Heads counted from the width (`d` fixed): a tensor-parallel rank holds n_head / tp of them.
+        q, k, v = rearrange(self.qkv(x), "b t (three h d) -> three b h t d", three=3, d=self.head_dim)
         # Explicit masked softmax rather than scaled_dot_product_attention: the same kernels
         # run on every backend and under every torch.func transform, so results are reproducible.
         scores = torch.einsum("bhtd,bhsd->bhts", q, k) * q.shape[-1] ** -0.5

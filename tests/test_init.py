@@ -236,8 +236,9 @@ def uncovered_without_initializer(mesh):
 
 def test_axis_names_mean_one_thing_and_model_parallel_axes_are_not_silent_replicas():
     """Issue 26: `{"fsdp": 2, "tp": 2}` was accepted and `tp` became a replica axis. An unknown axis
-    name is refused, listing the known ones; a step, `fs.shard` or `fs.reduce_scatter` on a mesh
-    with a model-parallel axis of size > 1 is refused before anything runs, naming the axis."""
+    name is refused, listing the known ones; a step on a `tp` mesh without placements, a step on
+    a `pp` mesh, and `fs.shard` / `fs.reduce_scatter` without placements are refused before anything
+    runs, naming the axis."""
     with pytest.raises(ValueError, match=r"unknown mesh axis name 'data'.*'replicate'.*'fsdp'.*'tp'"):
         fs.init_mesh({"data": 1})
     with pytest.raises(fs.RankError, match=r"unknown mesh axis name 'dp'"):
@@ -246,20 +247,25 @@ def test_axis_names_mean_one_thing_and_model_parallel_axes_are_not_silent_replic
     def body(mesh):
         apply_fn, params = fs.functionalize(nn.Linear(4, 3))
         errors = []
-        for call in (
-            lambda: fs.sharded_step(
-                lambda p, x: apply_fn(p, x).sum(), mesh, optimizer=fs.optim.sgd(0.1), schedule=fs.Schedule(trace=False)
-            ),
-            lambda: fs.shard(params, mesh),
-            lambda: fs.reduce_scatter(params, mesh),
-        ):
-            with pytest.raises(fs.MeshError, match=r"model-parallel axis 'tp' \(size 2\)") as caught:
+        step = lambda: fs.sharded_step(  # noqa: E731
+            lambda p, x: apply_fn(p, x).sum(), mesh, optimizer=fs.optim.sgd(0.1), schedule=fs.Schedule(trace=False)
+        )
+        if "tp" in mesh.shape:
+            with pytest.raises(fs.MeshError, match=r"tensor-parallel axis 'tp' but fs.sharded_step was given no placements"):
+                step()
+        else:
+            with pytest.raises(fs.MeshError, match=r"model-parallel axis 'pp' \(size 2\)"):
+                step()
+        axis = "tp" if "tp" in mesh.shape else "pp"
+        for call in (lambda: fs.shard(params, mesh), lambda: fs.reduce_scatter(params, mesh)):
+            with pytest.raises(fs.MeshError, match=rf"model-parallel axis '{axis}' \(size 2\)") as caught:
                 call()
             errors.append(str(caught.value))
         return errors
 
-    for errors in fs.testing.SimulatedWorld(4, axes={"fsdp": 2, "tp": 2}).run(body):
-        assert errors[0].startswith("fs.sharded_step") and errors[1].startswith("fs.shard ")
+    for axes in ({"fsdp": 2, "tp": 2}, {"pp": 2, "fsdp": 2}):
+        for errors in fs.testing.SimulatedWorld(4, axes=axes).run(body):
+            assert errors[0].startswith("fs.shard ") and errors[1].startswith("fs.reduce_scatter")
     # A model-parallel axis of size 1 changes nothing.
     one = fs.testing.SimulatedWorld(2, axes={"fsdp": 2, "tp": 1}).run(lambda mesh: fs.shard({"w": torch.ones(3)}, mesh).mesh.num_shards)
     assert one == [2, 2]

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from .._mesh import BaseMesh
+from .._mesh import BaseMesh, _shard_axis_of
 from .._step import ShardedStep, StepState, sharded_step
 from .._tracing import record
 from ._analyze import Analysis, analyze
@@ -41,7 +41,7 @@ class AbstractMesh(BaseMesh):
     Arguments:
         axes: axis name -> size, e.g. `{"fsdp": 1024}` or `{"replicate": 8, "fsdp": 128}`.
         rank: which rank this mesh plays (its coordinates pick its shard; default 0).
-        shard_axis: the axis parameters are sharded over (default `"fsdp"`, else the last).
+        shard_axis: the axis parameters are sharded over (default `"fsdp"`, else none).
     """
 
     def __init__(self, axes: dict[str, int], *, rank: int = 0, shard_axis: str | None = None):
@@ -56,11 +56,7 @@ class AbstractMesh(BaseMesh):
         if not 0 <= rank < self.world_size:
             raise ValueError(f"AbstractMesh rank {rank} is outside the world of {self.world_size} ranks of {axes}")
         self.rank = rank
-        if shard_axis is None:
-            shard_axis = "fsdp" if "fsdp" in self.axis_names else self.axis_names[-1]
-        if shard_axis not in self.axis_names:
-            raise ValueError(f"shard_axis {shard_axis!r} is not one of the AbstractMesh axes {list(self.axis_names)}")
-        self.shard_axis = shard_axis
+        self.shard_axis = _shard_axis_of(self.axis_names, shard_axis)
         self.device = torch.device("meta")
 
     def _group(self, axis: str) -> str:
@@ -76,11 +72,15 @@ class AbstractMesh(BaseMesh):
 
     def all_gather_flat(self, shard: torch.Tensor) -> torch.Tensor:
         self._check(shard, "an all-gather")
+        if self.shard_axis is None:
+            return shard.clone()
         record("all_gather")
         return _C10D.wait_tensor(_C10D.all_gather_into_tensor(shard, self.num_shards, self._group(self.shard_axis)))
 
     def reduce_scatter_flat(self, full: torch.Tensor) -> torch.Tensor:
         self._check(full, "a reduce-scatter")
+        if self.shard_axis is None:
+            return full.clone()
         record("reduce_scatter")
         return _C10D.wait_tensor(_C10D.reduce_scatter_tensor(full, "sum", self.num_shards, self._group(self.shard_axis)))
 

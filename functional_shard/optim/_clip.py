@@ -58,11 +58,14 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     def scalars(state: EmptyState) -> Scalars:
         return {}
 
-    def apply(updates, state, params, scalars, *, inplace=False, mesh=None):  # an ApplyFn
+    def apply(updates, state, params, scalars, *, inplace=False, mesh=None, leaves=None):  # an ApplyFn
         accessors, p_leaves, spec = check_params(params)
-        leaves = _check_like("updates", updates, accessors, p_leaves, spec)
+        tensors = _check_like("updates", updates, accessors, p_leaves, spec)
+        replicated = None
+        if leaves is not None and leaves.replicated:  # a tensor-parallel step: whole leaves count once
+            replicated = [len(p) == 1 and p[0] in leaves.replicated for p in optree.tree_paths(updates)]
         with torch.no_grad():
-            norm = global_norm(leaves, mesh)
+            norm = global_norm(tensors, mesh, replicated=replicated)
             coef = torch.clamp(limit / (norm + 1e-6), max=1.0)
 
             def scale(u: torch.Tensor) -> torch.Tensor:
@@ -70,7 +73,7 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
                 flat, c = _exact.as_1d(u.detach()), coef.to(u.device)
                 return (flat.mul_(c) if inplace else flat.mul(c)).view(u.shape)
 
-            scaled = [scale(u) for u in leaves]
+            scaled = [scale(u) for u in tensors]
         return optree.tree_unflatten(spec, scaled), state
 
     return make_transformation(init, scalars, apply)

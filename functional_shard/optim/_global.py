@@ -3,9 +3,11 @@
 Inside a sharded step an optimizer sees only this rank's shard of each flat buffer. A
 quantity of the whole model (a gradient norm, a count of non-finite values) is a sum of
 per-rank partial values over the ranks that hold *distinct* shards: the ranks along the
-mesh's shard axis. The replicate axes of a hybrid mesh hold copies of the same shards
-(their gradients are already summed over them), so summing over them too would count
-every value once per replica.
+mesh's shard axis, and along its tensor-parallel axis (each holds its own pieces of the split
+leaves). The replicate axes of a hybrid mesh hold copies of the same shards (their gradients
+are already summed over them), so summing over them too would count every value once per
+replica; so would leaves that every tensor-parallel rank holds whole (norms), which
+`global_norm(..., replicated=)` counts on one of those ranks only.
 
 Flat shard buffers are zero in their padding (padding gets zero gradient and zero
 updates), so a sum of squares over the shards is the full model's sum of squares.
@@ -14,7 +16,7 @@ updates), so a sum of squares over the shards is the full model's sum of squares
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import optree
 import torch
@@ -41,15 +43,19 @@ def global_sum(x: Any, mesh: Optional[BaseMesh]) -> Any:
             whole tensors).
 
     Returns a pytree like `x` with, on every rank, the sum of `x` over the mesh's shard
-    axis (an all-reduce over that axis only: replicas of a hybrid mesh are not counted
-    twice). `x` itself when `mesh` is None or the shard axis has size 1.
+    axis and its model-parallel axes (`mesh.model_axes`: the tensor-parallel ranks hold
+    different pieces), not over the replicate axes (replicas of a hybrid mesh are not counted
+    twice). `x` itself when `mesh` is None or there is no such axis of more than one rank.
     """
-    if mesh is None or mesh.num_shards == 1:
+    if mesh is None:
         return x
-    return all_reduce(x, mesh, axes=(mesh.shard_axis,))
+    axes = tuple(a for a in mesh.axis_names if (a == mesh.shard_axis and mesh.num_shards > 1) or a in mesh.model_axes)
+    if not axes:
+        return x
+    return all_reduce(x, mesh, axes=axes)
 
 
-def global_norm(tree: Any, mesh: Optional[BaseMesh]) -> torch.Tensor:
+def global_norm(tree: Any, mesh: Optional[BaseMesh], *, replicated: Optional[Sequence[bool]] = None) -> torch.Tensor:
     """The 2-norm of all the tensors of a sharded pytree, as one vector (the whole model).
 
     What `torch.nn.utils.clip_grad_norm_` computes as its total norm, up to rounding:
@@ -66,6 +72,11 @@ def global_norm(tree: Any, mesh: Optional[BaseMesh]) -> torch.Tensor:
         tree: a pytree of float or complex tensors, this rank's shards (or whole tensors
             when `mesh` is None), e.g. the gradients an `apply` receives.
         mesh: the step's mesh, or None.
+        replicated: per leaf of `tree` (flatten order), whether every rank of the mesh's
+            model-parallel axes holds the same values (a tensor-parallel step's buffers of
+            whole leaves, `Layout.replicated_buffers`): their squares are counted on the
+            ranks at coordinate 0 of those axes only. None: every leaf is this rank's own
+            piece.
 
     Returns a 0-d tensor on the leaves' device, of the dtype torch's total norm has: the
     promotion of the leaves' real dtypes (float32 for float32 grads). An empty tree gives
@@ -80,6 +91,11 @@ def global_norm(tree: Any, mesh: Optional[BaseMesh]) -> torch.Tensor:
             raise TypeError(f"global_norm: leaf {i} is {what}; every leaf must be a float or complex tensor")
     dtype = functools.reduce(torch.promote_types, (leaf.dtype.to_real() for leaf in leaves))
     squares = [torch.linalg.vector_norm(leaf, dtype=_norm_dtype(leaf)).double().square() for leaf in leaves]
+    if replicated is not None and mesh is not None and mesh.model_axes:
+        if len(replicated) != len(leaves):
+            raise ValueError(f"global_norm: replicated has {len(replicated)} flags for {len(leaves)} leaves")
+        counted = all(mesh.coordinates[a] == 0 for a in mesh.model_axes)
+        squares = [sq for sq, rep in zip(squares, replicated) if counted or not rep] or [squares[0].new_zeros(())]
     total = global_sum(torch.stack(squares).sum(), mesh)
     return total.sqrt().to(dtype)
 

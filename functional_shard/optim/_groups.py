@@ -152,6 +152,9 @@ class LeafLayout:
     paths: tuple[str, ...]
     shapes: tuple[tuple[int, ...], ...]
     ranges: Mapping[str, tuple[LeafRange, ...]]
+    # Names of the tensors (buffers) every rank of the model-parallel axes holds whole, in a
+    # tensor-parallel step (`Layout.replicated_buffers`): `global_norm` counts them once.
+    replicated: frozenset = frozenset()
     # Resolved group assignments, by (groups, who asks): a cache, not part of the value.
     _plans: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
@@ -190,7 +193,7 @@ def _of_shards(layout: Layout, shard_index: int) -> LeafLayout:
                 parts.append(LeafRange(layout.paths[leaf], lo - start, hi - start))
             offset += size
         ranges[spec.name] = tuple(parts)
-    return LeafLayout(tuple(paths), tuple(shapes), ranges)
+    return LeafLayout(tuple(paths), tuple(shapes), ranges, layout.replicated_buffers)
 
 
 # ------------------------------------------------------------------ groups resolved

@@ -24,7 +24,8 @@ the built-in ones, add your own.
 - the update (`_update.py`): `early_update`, each unit's in-place optimizer update as soon as
   its gradient is reduced (the default list's last pass);
 - graph tools (`_graph.py`): the typed record of each collective (`CollectiveTag`, `tag`,
-  `tag_of`), the end of the forward (`mark_forward_end`, `forward_end`), `collectives(gm)`,
+  `tag_of`), the end of the forward (`mark_forward_end`, `forward_end`), `collectives(gm)` (and
+  `parameter_collectives(gm)`, the ones that move a parameter buffer: what passes move),
   `aliases`, `uses`, `move_before`, `move_early`;
 - analysis (`_analysis.py`): `analyze(gm)` reads the applied schedule back out of the final
   graph as `ScheduleEvent`s; `explain`, `max_units_alive`, `max_in_flight`, `rematerialized`.
@@ -43,6 +44,7 @@ from ._graph import CollectiveTag as CollectiveTag
 from ._graph import Member as Member
 from ._graph import aliases as aliases
 from ._graph import collectives as collectives
+from ._graph import parameter_collectives as parameter_collectives
 from ._graph import forward_end as forward_end
 from ._graph import mark_forward_end as mark_forward_end
 from ._graph import move_before as move_before
@@ -97,6 +99,7 @@ __all__ = [
     "mark_forward_end",
     "forward_end",
     "collectives",
+    "parameter_collectives",
     "aliases",
     "uses",
     "move_before",

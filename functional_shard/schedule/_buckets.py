@@ -21,6 +21,7 @@ from ._graph import (
     CollectiveTag,
     Member,
     collectives,
+    parameter_collectives,
     microbatch_of_label,
     positions,
     pre_collective_cast,
@@ -65,7 +66,7 @@ class bucket_gathers(_Bucketing):
         if self.bucket_bytes <= 0:
             return gm
         for phase in ("forward", "backward"):
-            candidates = [c for c in collectives(gm) if c.kind == "all_gather" and c.phase == phase]
+            candidates = [c for c in parameter_collectives(gm) if c.kind == "all_gather" and c.phase == phase]
             for bucket in self._buckets(candidates, self._fits):
                 _merge_gathers(gm, bucket)
         gm.graph.lint()
@@ -133,7 +134,7 @@ class bucket_reduce_scatters(_Bucketing):
         if self.bucket_bytes <= 0:
             return gm
         position = positions(gm)
-        candidates = [c for c in collectives(gm) if c.kind == "reduce_scatter" and c.issue.target in _SCATTER_OPS]
+        candidates = [c for c in parameter_collectives(gm) if c.kind == "reduce_scatter" and c.issue.target in _SCATTER_OPS]
         for bucket in self._buckets(candidates, lambda bucket, c: self._fits(bucket, c, position)):
             _merge_scatters(gm, bucket)
         gm.graph.lint()

@@ -130,6 +130,14 @@ class Collective:
         return self.tag.members or (Member(self.buffer, self.unit, self.wait, self.nbytes),)
 
 
+def parameter_collectives(gm: fx.GraphModule) -> list[Collective]:
+    """The collectives of `gm` that move a parameter buffer (FSDP's all-gathers and
+    reduce-scatters, tagged with their buffer), in graph order: what the schedule's passes move.
+    The others (a tensor-parallel all-reduce or gather of activations, the loss's all-reduce)
+    stay where the computation put them."""
+    return [c for c in collectives(gm) if c.buffer]
+
+
 def collectives(gm: fx.GraphModule) -> list[Collective]:
     """Every collective of `gm`, in the graph order of their issue nodes."""
     out = []

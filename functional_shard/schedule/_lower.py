@@ -17,7 +17,7 @@ from torch import fx
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from ._graph import _C10D, _is_pure, _is_view, collectives, copy_graph, positions, pre_collective_cast
+from ._graph import _C10D, _is_pure, _is_view, collectives, copy_graph, parameter_collectives, positions, pre_collective_cast
 
 aten = torch.ops.aten
 
@@ -56,7 +56,7 @@ def gather_casts_in_place(gm: fx.GraphModule, shard_index: int) -> int:
     gather in flight. The step calls it after the schedule's passes, which move a gather's
     cast with it (`pre_collective_cast`); returns how many gathers it changed."""
     changed = 0
-    for c in collectives(gm):
+    for c in parameter_collectives(gm):
         cast = pre_collective_cast(c.issue)
         if c.issue.target is not _C10D.all_gather_into_tensor.default or cast is None or set(cast.kwargs) != {"dtype"}:
             continue

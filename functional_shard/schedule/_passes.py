@@ -21,6 +21,7 @@ from ._graph import (
     Collective,
     aliases,
     collectives,
+    parameter_collectives,
     forward_end,
     microbatch_of_label,
     move_before,
@@ -93,12 +94,12 @@ class reshard_after_forward(Pass):
     def __call__(self, gm: fx.GraphModule, context: PassContext) -> fx.GraphModule:
         if isinstance(self.reshard, _FrozenMapping):
             # A unit name the step does not have (a stale `rest`, a typo) would be silently ignored.
-            gathered = [c for c in collectives(gm) if c.kind == "all_gather" and c.phase == "forward"]
+            gathered = [c for c in parameter_collectives(gm) if c.kind == "all_gather" and c.phase == "forward"]
             known = list(dict.fromkeys(unit_of_label(m.unit) for c in gathered for m in c.members()))
             unknown = [unit for unit, _ in self.reshard if unit not in known]
             if unknown:
                 raise ValueError(f"reshard_after_forward: no unit named {unknown} in this step; its units are {known}")
-        for c in collectives(gm):
+        for c in parameter_collectives(gm):
             if c.kind == "all_gather" and c.phase == "forward" and self.reshards(c.unit):
                 _gather_again_for_backward(gm, c, forward_end(gm, after=c.wait))
         gm.graph.lint()
@@ -153,7 +154,7 @@ class prefetch(Pass):
 
     def __call__(self, gm: fx.GraphModule, context: PassContext) -> fx.GraphModule:
         for phase in ("forward", "backward"):
-            gathers = [c for c in collectives(gm) if c.kind == "all_gather" and c.phase == phase]
+            gathers = [c for c in parameter_collectives(gm) if c.kind == "all_gather" and c.phase == phase]
             if gathers:
                 self._place(gm, gathers)
         gm.graph.lint()
@@ -206,7 +207,7 @@ class early_reduce_scatter(Pass):
         _check_int("early_reduce_scatter", "in_flight", self.in_flight, 1, optional=True)
 
     def __call__(self, gm: fx.GraphModule, context: PassContext) -> fx.GraphModule:
-        scatters = [c for c in collectives(gm) if c.kind == "reduce_scatter"]
+        scatters = [c for c in parameter_collectives(gm) if c.kind == "reduce_scatter"]
         for c in scatters:
             producer = c.issue.args[0]
             if isinstance(producer, fx.Node) and producer.op != "placeholder":

@@ -41,6 +41,7 @@ from ._graph import (
     _schema,
     aliases,
     collectives,
+    parameter_collectives,
     forward_end,
     microbatch_label,
     microbatch_of_label,
@@ -246,7 +247,7 @@ def _gathered_parameters(gm: fx.GraphModule, position: dict, end: int) -> dict[f
     """Every view of a buffer gathered for a forward (waited by `end`, the last forward's end)
     -> its unit (a bucket: per member)."""
     out: dict[fx.Node, str] = {}
-    for c in collectives(gm):
+    for c in parameter_collectives(gm):
         if c.kind == "all_gather" and c.phase != "backward" and position[c.wait] <= end:
             for member in c.members():
                 for alias in aliases(member.root):

@@ -1,12 +1,15 @@
 """fs.tensor_parallel: tensor and sequence parallelism as values and explicit collectives.
 
-Status: the foundation (issue 26). Placements per leaf, placement rules (yours, a Hugging Face
-model's `base_model_tp_plan`, fs's plan for `fs.models.GPT`), and the differentiable conjugate
-collectives and vocabulary-parallel cross-entropy, usable inside any `loss_fn` (the
-`shard_map` way). Not yet applied by `fs.sharded_step`: see docs/parallelism.md.
+Placements per leaf, placement rules (yours, a Hugging Face model's `base_model_tp_plan`, fs's
+plan for `fs.models.GPT`), the differentiable conjugate collectives and the vocabulary-parallel
+cross-entropy, usable inside any `loss_fn` (the `shard_map` way), and `parallelize`, which gives a
+module's split Linears and Embeddings their collectives. `fs.sharded_step(..., placements=rules)`
+cuts each leaf by its placement and shards the pieces over `fsdp` (docs/parallelism.md).
 
+    mesh = fs.init_mesh({"fsdp": 2, "tp": 2})
     rules = fs.tensor_parallel.hf_rules(model)                  # or gpt_rules(config), or your own
-    placements = fs.tensor_parallel.placements_for(params, rules, mesh)   # checked, one per leaf
+    apply_fn, params = fs.functionalize(fs.tensor_parallel.parallelize(model, rules, mesh))
+    step = fs.sharded_step(loss_fn, mesh, optimizer=fs.optim.adamw(1e-3), placements=rules)
 
     h = fs.tensor_parallel.copy_to(x, mesh, "tp")              # column-parallel input (f)
     y = fs.tensor_parallel.reduce_from(h_local @ w_row.T, mesh, "tp")   # row-parallel output (g)
@@ -20,6 +23,10 @@ from ._collectives import reduce_from as reduce_from
 from ._collectives import reduce_scatter_along as reduce_scatter_along
 from ._collectives import scatter_along as scatter_along
 from ._loss import vocab_parallel_cross_entropy as vocab_parallel_cross_entropy
+from ._modules import TensorParallelEmbedding as TensorParallelEmbedding
+from ._modules import TensorParallelLinear as TensorParallelLinear
+from ._modules import parallelize as parallelize
+from ._modules import parallelized_modules as parallelized_modules
 from ._placement import Placement as Placement
 from ._placement import PlacementError as PlacementError
 from ._placement import Replicated as Replicated
@@ -42,6 +49,8 @@ __all__ = [
     "Rule",
     "STYLES",
     "Split",
+    "TensorParallelEmbedding",
+    "TensorParallelLinear",
     "copy_to",
     "gather_along",
     "gather_leaf",
@@ -49,6 +58,8 @@ __all__ = [
     "hf_rules",
     "join_pieces",
     "local_shape",
+    "parallelize",
+    "parallelized_modules",
     "placements_for",
     "reduce_from",
     "reduce_scatter_along",

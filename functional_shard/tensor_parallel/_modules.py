@@ -1,0 +1,178 @@
+"""A module run on its tensor-parallel pieces: a plan's activation collectives, without hooks.
+
+    model = fs.tensor_parallel.parallelize(model, rules, mesh)     # in place, returns it
+    apply_fn, params = fs.functionalize(model)                      # full params, as before
+    step = fs.sharded_step(loss_fn, mesh, optimizer=..., placements=rules)
+
+`parallelize` gives each module a plan places (its weight split over an axis of more than one
+rank) a forward that runs on the rank's pieces with Megatron's conjugate collectives around it,
+chosen by the rule's style (Hugging Face's names):
+
+| style | module | forward on the pieces |
+|---|---|---|
+| `colwise`, `packed_colwise` | Linear | `F.linear(copy_to(x), w, b)`: local outputs |
+| `colwise_rep`, `colwise_gather_output` | Linear | the same, outputs gathered (`gather_along(-1, grad="split")`) |
+| `rowwise`, `packed_rowwise` | Linear | `reduce_from(F.linear(x, w)) + b` (the bias added once) |
+| `rowwise_rep`, `rowwise_split_input` | Linear | the same after `scatter_along(x, -1)` (a replicated input) |
+| `embedding_rowwise` | Embedding | vocabulary-parallel lookup: rows outside this rank's range masked, `reduce_from` |
+| `embedding_colwise` | Embedding | lookup of local columns, gathered (`gather_along(-1, grad="split")`) |
+
+It does so by giving the module a class of its own (`TensorParallelLinear`, ...: a subclass of its
+class whose `forward` is the one above; `repr(model)` shows which modules and styles), not by a
+hook: `torch.func.functional_call` runs it on whatever pieces the step passes, and `make_fx`
+traces the collectives as nodes. A module whose weight is whole (replicated, a head tied to a
+replicated embedding, an axis of size 1) keeps its own forward; so does a module whose rule has no
+style (your own rules: apply the collectives in `loss_fn` yourself, the `shard_map` way).
+
+`loss_parallel=True` keeps a `colwise_gather_output` head's logits split along the vocabulary
+(`[..., V / tp]` on each rank): compute the loss with `vocab_parallel_cross_entropy`, which never
+materializes the full logits. Attention modules need no change where they reshape with `-1`
+heads (Hugging Face's do; `fs.models.GPT` infers its local heads from the width).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ._collectives import copy_to, gather_along, reduce_from, scatter_along
+from ._placement import PlacementError, Split, _as_rules, placements_for
+
+__all__ = ["parallelize", "parallelized_modules"]
+
+_COLWISE = {"colwise", "packed_colwise"}
+_COLWISE_GATHERED = {"colwise_rep", "colwise_gather_output"}
+_ROWWISE = {"rowwise", "packed_rowwise"}
+_ROWWISE_SPLIT_INPUT = {"rowwise_rep", "rowwise_split_input"}
+_LINEAR_STYLES = _COLWISE | _COLWISE_GATHERED | _ROWWISE | _ROWWISE_SPLIT_INPUT
+_EMBEDDING_STYLES = {"embedding_rowwise", "embedding_colwise"}
+# Styles that place parameters but leave the module's forward as it is.
+_NO_FORWARD = {"sequence_parallel", "replicate", "replicated_with_grad_allreduce"}
+
+
+class _TensorParallel:
+    """What every parallelized module carries: its style, the mesh and the axis."""
+
+    _fs_style: str
+    _fs_mesh: Any
+    _fs_axis: str
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, tensor_parallel={self._fs_style!r} over {self._fs_axis!r}"
+
+
+class TensorParallelLinear(_TensorParallel):
+    """`nn.Linear` on its column- or row-parallel pieces (the class `parallelize` gives it is a
+    subclass of the module's own class and of this one)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        style, mesh, axis = self._fs_style, self._fs_mesh, self._fs_axis
+        if style in _COLWISE or style in _COLWISE_GATHERED:
+            y = F.linear(copy_to(x, mesh, axis), self.weight, self.bias)
+            return gather_along(y, -1, mesh, axis, grad="split") if style in _COLWISE_GATHERED else y
+        if style in _ROWWISE_SPLIT_INPUT:
+            x = scatter_along(x, -1, mesh, axis)
+        y = reduce_from(F.linear(x, self.weight), mesh, axis)
+        return y if self.bias is None else y + self.bias
+
+
+class TensorParallelEmbedding(_TensorParallel):
+    """`nn.Embedding` split along the vocabulary (rows) or the hidden size (columns)."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        mesh, axis = self._fs_mesh, self._fs_axis
+        if self._fs_style == "embedding_colwise":
+            out = F.embedding(ids, self.weight, self.padding_idx)
+            return gather_along(out, -1, mesh, axis, grad="split")
+        rows = self.weight.shape[0]
+        start = mesh.coordinates[axis] * rows
+        local = ids - start
+        outside = (local < 0) | (local >= rows)
+        local = local.masked_fill(outside, 0)
+        padding = None
+        if self.padding_idx is not None and 0 <= self.padding_idx - start < rows:
+            padding = self.padding_idx - start
+        out = F.embedding(local, self.weight, padding)
+        return reduce_from(out.masked_fill(outside.unsqueeze(-1), 0), mesh, axis)
+
+
+def _module_class(module: nn.Module, base: type) -> type:
+    cls = type(module)
+    if isinstance(module, _TensorParallel):
+        return cls
+    return type(f"{base.__name__}[{cls.__name__}]", (base, cls), {"__module__": __name__})
+
+
+def _style_of(path: str, shape: tuple, rules: list) -> str | None:
+    for candidate in rules:
+        if candidate.matches(path, shape):
+            return candidate.style
+    return None
+
+
+def parallelize(model: nn.Module, rules: Iterable[Any], mesh: Any, *, loss_parallel: bool = False) -> nn.Module:
+    """Give every module that `rules` split a forward on its tensor-parallel pieces (in place).
+
+    Arguments:
+        model: the model; its parameters stay as they are (whole): the step passes each
+            rank's pieces to `functional_call`. Modules are given classes of their own.
+        rules: the placement rules the step is given (`hf_rules(model)`, `gpt_rules(config)`);
+            a rule's `style` says which collectives surround the module.
+        mesh: the mesh (`fs.init_mesh`, a `SimulatedMesh`, an `AbstractMesh`); its axes decide
+            which modules are split at all (an axis of size 1 splits nothing).
+        loss_parallel: keep the vocabulary split after a `colwise_gather_output` head (see the
+            module docstring).
+
+    Returns `model`. Raises `PlacementError` naming the module for a style on a module that is
+    not a Linear or an Embedding, a rowwise Linear with a split bias, or an Embedding with
+    `max_norm` (it would renormalize rows in place).
+    """
+    rules = _as_rules(rules)
+    canonical = {id(p): name for name, p in model.named_parameters()}
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    sizes = dict(mesh.shape)
+    placements = placements_for(shapes, rules, sizes)
+    for name, module in model.named_modules():
+        weight = module._parameters.get("weight") if hasattr(module, "_parameters") else None
+        if weight is None:
+            continue
+        path = f"{name}.weight" if name else "weight"
+        style = _style_of(path, tuple(weight.shape), rules)
+        placement = placements.get(canonical.get(id(weight), path))
+        if style is None or style in _NO_FORWARD or not isinstance(placement, Split) or sizes[placement.axis] == 1:
+            continue
+        if loss_parallel and style == "colwise_gather_output":
+            style = "colwise"
+        if isinstance(module, nn.Linear) and style in _LINEAR_STYLES:
+            base = TensorParallelLinear
+            bias = module._parameters.get("bias")
+            if bias is not None and style in _ROWWISE | _ROWWISE_SPLIT_INPUT:
+                if isinstance(placements.get(canonical.get(id(bias), f"{name}.bias")), Split):
+                    raise PlacementError(
+                        f"module {name!r} is row-parallel ({style!r}) but its bias is split: a row-parallel bias is "
+                        f"added once, after the sum over {placement.axis!r}; place it Replicated()"
+                    )
+        elif isinstance(module, nn.Embedding) and style in _EMBEDDING_STYLES:
+            base = TensorParallelEmbedding
+            if module.max_norm is not None:
+                raise PlacementError(
+                    f"embedding {name!r} has max_norm={module.max_norm}: it renormalizes rows in place, which a "
+                    f"vocabulary-parallel lookup cannot do on pieces; drop max_norm or replicate the embedding"
+                )
+        else:
+            raise PlacementError(
+                f"module {name!r} ({type(module).__name__}) has tensor-parallel style {style!r}, which fs applies to "
+                f"nn.Linear ({sorted(_LINEAR_STYLES)}) and nn.Embedding ({sorted(_EMBEDDING_STYLES)}) modules only: "
+                f"give its leaves a rule without a style and apply the collectives in loss_fn yourself"
+            )
+        module.__class__ = _module_class(module, base)
+        module._fs_style, module._fs_mesh, module._fs_axis = style, mesh, placement.axis
+    return model
+
+
+def parallelized_modules(model: nn.Module) -> dict[str, str]:
+    """Module path -> style of the modules `parallelize` gave a tensor-parallel forward."""
+    return {name: m._fs_style for name, m in model.named_modules() if isinstance(m, _TensorParallel)}
