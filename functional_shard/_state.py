@@ -1,0 +1,79 @@
+"""`StepState`: the immutable state of a sharded training step on one rank, and the record of
+which step made it (and which states it took in place, `donate=True`)."""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+
+from ._pytree import pytree_dataclass, static_field
+from ._reference import StepError
+from ._shard import Sharded
+
+__all__ = ["StepState", "check_not_donated"]
+
+
+class _StepKey:
+    """Identifies the `ShardedStep` that made a state (compared by identity)."""
+
+    __slots__ = ("description", "donated", "__weakref__")
+
+    def __init__(self, description: str):
+        self.description = description
+        # States the step took in place (donate=True): their tensors now hold the values of
+        # the states it returned, so nothing may read them again (a step, a save, an export).
+        self.donated: weakref.WeakSet[StepState] = weakref.WeakSet()
+
+    def __repr__(self) -> str:
+        return f"<step {self.description}>"
+
+
+def check_not_donated(state: "StepState", what: str) -> None:
+    """Raises StepError if `state` was donated to a step (`donate=True`): its tensors were
+    updated in place and now hold the values of the state that step returned."""
+    if state in state._key.donated:
+        raise StepError(
+            f"{what}: this state (step {state.step}) was donated to a step made with donate=True, which "
+            f"updated its tensors in place for the state it returned (step {state.step + 1}): use the "
+            "returned state"
+        )
+
+
+@pytree_dataclass
+class StepState:
+    """The state of a sharded training step on this rank (made by `ShardedStep.init`).
+
+    Attributes:
+        params: this rank's shards of the trainable and frozen parameters, and its own module
+            buffers (a `Sharded`).
+        opt_state: the optimizer's state over the trainable shards (a pytree whose parameter-like
+            parts are dicts `buffer name -> shard`).
+        loss_scale: the dynamic loss scale (`fs.LossScaleState`) with fp16 loss scaling, else None.
+        rng: the seed of the step's random numbers (a 0-d int64 tensor): step `n` on rank `r`
+            draws from a generator seeded by `(seed, n, r)` — reproducible, different on every
+            rank, and resumed exactly with the state.
+        step: number of steps taken (an int).
+
+    An immutable pytree node (optree and torch): its leaves are those of `params` and
+    `opt_state`; `step` and the step that made it are structure. `replace(**changes)` copies.
+    It cannot be pickled (its shards are bound to a live mesh): use `fs.checkpoint`.
+    """
+
+    params: Sharded
+    opt_state: Any
+    loss_scale: Any
+    rng: torch.Tensor
+    step: int = static_field()
+    _key: _StepKey = static_field(repr=False)
+
+    def __repr__(self) -> str:
+        return f"StepState(step={self.step}, params={self.params!r})"
+
+    def __reduce__(self):
+        raise TypeError(
+            "a StepState holds one rank's shards bound to a live mesh, so it cannot be pickled (torch.save, "
+            "torch.distributed.checkpoint of the object itself): save it with fs.checkpoint.save(path, state) and "
+            "load it with fs.checkpoint.load(path, step.init(params))"
+        )
