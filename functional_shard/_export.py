@@ -6,7 +6,9 @@
 The streamed export never holds more than this rank's shards plus one flat buffer gathered
 whole: the ranks all-gather the buffers one by one, and rank 0 writes each buffer's leaves to
 the file (as raw bytes at offsets fixed in advance by the safetensors header) before the next
-is gathered. The file is a plain safetensors file with state-dict names, which
+is gathered. With tensor-parallel placements, each split leaf of the buffer is also gathered
+over its axis (`fs.tensor_parallel.gather_leaf`), so the file holds the full leaves, named and
+ordered as an export of the same values without placements writes them: the same bytes. The file is a plain safetensors file with state-dict names, which
 `model.load_state_dict(safetensors.torch.load_file(path), strict=True)` and Hugging Face
 `from_pretrained(directory)` read.
 """
@@ -29,8 +31,9 @@ from ._pytree import NAMESPACE, path_string, tree_map
 from ._shard import Sharded, _check_shards, gather
 from ._step import StepState, check_not_donated
 from ._tree import ModuleParams
+from .tensor_parallel import gather_leaf
 
-__all__ = ["export", "state_dict_names", "ExportError"]
+__all__ = ["export", "state_dict_names", "file_order", "ExportError"]
 
 OPERATION = "fs.export"  # the name every rank states on entering (`BaseMesh.agree`)
 
@@ -98,12 +101,15 @@ def export(state: StepState | Sharded, path: str | os.PathLike | None = None, *,
     Without `path`: for parameters from `fs.functionalize`, a state dict for
     `model.load_state_dict(..., strict=True)` (every parameter and persistent buffer under every
     name the module's state dict uses, tied names included; buffers are this rank's); otherwise
-    the full pytree. Every rank holds the whole model at once: for small models.
+    the full pytree. Leaves split by tensor-parallel placements are joined whole
+    (`fs.gather(..., full=True)`). Every rank holds the whole model at once: for small models.
 
     With `path`: streams. The ranks all-gather one flat buffer at a time; rank 0 writes its
     leaves at their place in the file and drops it before the next is gathered, so no rank holds
-    more than its shards plus one buffer gathered whole (at most one unit's parameters). Names
-    are the state dict's (as above; non-persistent buffers left out), module buffers rank 0's.
+    more than its shards plus one buffer gathered whole (at most one unit's parameters; with
+    tensor-parallel placements, its leaves joined whole over their axis). Names are the state
+    dict's (as above; non-persistent buffers left out), module buffers rank 0's; the file is
+    the same whatever the mesh, placements or world size the values are sharded over.
     The file is written to a new temporary file of its own next to it,
     `<path>.partial-<16 random hex digits>` (created exclusively: never a file or link that
     was there before), and renamed over `path` at the end: `path` holds either a complete file
@@ -124,7 +130,7 @@ def export(state: StepState | Sharded, path: str | os.PathLike | None = None, *,
     mesh.agree(OPERATION)
     if path is None:
         with torch.no_grad():
-            tree = tree_map(lambda t: t.detach().clone(), gather(sharded))
+            tree = tree_map(lambda t: t.detach().clone(), gather(sharded, full=True))
         return tree.state_dict() if isinstance(tree, ModuleParams) else tree
     _check_shards(sharded)
     path = Path(os.path.abspath(path))
@@ -136,16 +142,20 @@ def export(state: StepState | Sharded, path: str | os.PathLike | None = None, *,
             writer = _Writer(path, header)
         except Exception as e:  # noqa: BLE001 (the others must learn of it: they gather regardless)
             error = e
+    layout = sharded.layout
     with torch.no_grad():
-        for k, spec in enumerate(sharded.layout.buffers):
+        for k, spec in enumerate(layout.buffers):
             full = gather_bytes(sharded.shards[k], mesh, spec)
+            leaves = layout.unflatten_buffer(spec, full)
+            if layout.is_split:  # every rank of the axis takes part; rank 0 writes
+                leaves = [_join(t, layout.placement(i), mesh) for t, i in zip(leaves, spec.leaves)]
             if writer is not None:
                 try:
-                    writer.write_buffer(k, spec.leaves, sharded.layout.unflatten_buffer(spec, full))
+                    writer.write_buffer(k, spec.leaves, leaves)
                 except Exception as e:  # noqa: BLE001 (keep gathering with the others, then report)
                     writer.abandon()
                     writer, error = None, e
-            del full
+            del full, leaves
         if writer is not None:
             try:
                 writer.write_local(sharded.layout.local, sharded.local)
@@ -168,6 +178,22 @@ class Record(NamedTuple):
     leaf: int  # the leaf it holds (layout flatten order)
     start: int  # byte offset in the data section
     nbytes: int
+
+
+def _join(piece: torch.Tensor, placement: Any, mesh: Any) -> torch.Tensor:
+    """The full leaf from every rank's `piece` of it (a collective over the placement's axis), or
+    `piece` itself for a leaf every rank holds whole."""
+    return piece if placement is None else gather_leaf(piece, placement, mesh)
+
+
+def file_order(layout: Layout) -> list[int]:
+    """The leaves in the order an export writes them: by flat buffer as a layout without
+    tensor-parallel placements groups them (one buffer per unit, role and dtypes, in order of
+    first leaf; placements only separate split from whole leaves), then the module buffers."""
+    groups: dict[tuple, list[int]] = {}
+    for spec in layout.buffers:
+        groups.setdefault((spec.unit, spec.trainable, spec.dtype, spec.gather_dtype, spec.reduce_dtype), []).extend(spec.leaves)
+    return [i for leaves in sorted(groups.values(), key=min) for i in sorted(leaves)] + list(layout.local)
 
 
 class FileHeader(NamedTuple):
@@ -193,20 +219,21 @@ class FileHeader(NamedTuple):
                     f"the exported tree) and export again"
                 )
             numel = 1
-            for d in layout.shapes[i]:
+            for d in layout.full_shape(i):
                 numel *= d
             for name in names[i][: None if aliases else 1]:
                 nbytes = numel * dtype.itemsize
                 entries[name] = {
                     "dtype": SAFETENSORS_DTYPES[dtype],
-                    "shape": list(layout.shapes[i]),
+                    "shape": list(layout.full_shape(i)),
                     "data_offsets": [offset, offset + nbytes],
                 }
                 yield Record(name, i, offset, nbytes)
                 offset += nbytes
 
-        buffers = tuple(tuple(r for i in spec.leaves for r in records(i)) for spec in layout.buffers)
-        local = tuple(r for i in layout.local for r in records(i))
+        of_leaf = {i: tuple(records(i)) for i in file_order(layout)}
+        buffers = tuple(tuple(r for i in spec.leaves for r in of_leaf[i]) for spec in layout.buffers)
+        local = tuple(r for i in layout.local for r in of_leaf[i])
         metadata = {"format": "pt", "written_by": "functional_shard.export"}
         text = json.dumps({"__metadata__": metadata, **entries}, separators=(",", ":")).encode()
         text += b" " * (-len(text) % 8)
@@ -248,7 +275,7 @@ def _identity(path: Path) -> tuple | None:
 
 
 class _Writer:
-    """Rank 0's file: the header first, then each tensor's bytes in offset order.
+    """Rank 0's file: the header first, then each tensor's bytes at its offset.
 
     Written to a temporary file of its own (`temporary_name`, made by `create_new_file`), which
     `commit` renames over `path` unless `path` changed since the writer started: another writer
@@ -275,7 +302,10 @@ class _Writer:
             raise
 
     def _write(self, record: Record, tensor: torch.Tensor) -> None:
-        assert self.file.tell() == self.base + record.start, "tensors must be written in offset order"
+        # In file order but for the split and whole leaves of a unit under tensor-parallel
+        # placements, which are gathered in buffers of their own: each goes to its offset.
+        if self.file.tell() != self.base + record.start:
+            self.file.seek(self.base + record.start)
         if record.nbytes:
             # A uint8 view through numpy: the bytes go to the file without another copy of the leaf.
             data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()

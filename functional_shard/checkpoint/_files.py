@@ -34,7 +34,7 @@ import torch
 
 from .._export import SAFETENSORS_DTYPES, create_new_file
 from .._export import fsync_dir as fsync_dir
-from ._format import COMMIT, FORMAT, INDEX, VERSION, CheckpointError, Entry, entry_from_json
+from ._format import COMMIT, FORMAT, INDEX, READ_VERSIONS, VERSION, CheckpointError, Entry, entry_from_json, from_split_order
 
 _RANK_FILE = re.compile(r"rank-\d{5,}\.safetensors")
 _HEX = re.compile(r"[0-9a-f]{8}|[0-9a-f]{16}")
@@ -102,7 +102,7 @@ def write_rank_file(path: Path, tensors: dict[str, torch.Tensor], metadata: dict
     return len(header) + offset, f"{zlib.crc32(header):08x}"
 
 
-def commit(tmp: Path, path: Path, marker: dict, overwrite: bool, token: str) -> None:
+def commit(tmp: Path, path: Path, marker: dict, overwrite: bool, token: str, version: int = VERSION) -> None:
     """Rank 0, once every file is on disk: write the marker, then move the directory in place.
 
     `marker`: the `COMMIT` marker's contents (files and their sizes, header checksums, the
@@ -111,7 +111,7 @@ def commit(tmp: Path, path: Path, marker: dict, overwrite: bool, token: str) -> 
     in place: a crash between the two renames leaves it there (`load` names it), never a mix of
     both. If the new directory cannot take its place, the old one is moved back. On error the
     caller removes `tmp`."""
-    write_bytes(tmp / COMMIT, json.dumps({"format": FORMAT, "version": VERSION, **marker}).encode())
+    write_bytes(tmp / COMMIT, json.dumps({"format": FORMAT, "version": version, **marker}).encode())
     fsync_dir(tmp)
     old = None
     if os.path.lexists(path):
@@ -261,9 +261,10 @@ def open_index(path: str | os.PathLike) -> dict:
     if missing:
         raise CheckpointError(f"{path} is an incomplete checkpoint (an interrupted save?); it lacks: " + "; ".join(missing))
     index = _read_json(path / INDEX, "index")
-    if index.get("version") != VERSION:
+    if index.get("version") not in READ_VERSIONS:
         raise CheckpointError(
-            f"{path} has checkpoint format version {index.get('version')!r}; this functional_shard reads version {VERSION}"
+            f"{path} has checkpoint format version {index.get('version')!r:.40}; this functional_shard reads versions "
+            f"{', '.join(map(str, READ_VERSIONS))}"
         )
     return index
 
@@ -379,7 +380,8 @@ class ChunkReader:
         return chunk[start:stop]
 
     def read_range(self, key: str, start: int, length: int) -> torch.Tensor:
-        """Elements `[start, start + length)` of tensor `key` flattened (a new 1-D CPU tensor)."""
+        """Elements `[start, start + length)` of tensor `key` flattened in its stored order (C
+        order, or its split order: `Entry.split`), as a new 1-D CPU tensor."""
         entry, chunks = self.entries[key]
         out = torch.empty(length, dtype=entry.dtype)
         stop = start + length
@@ -390,6 +392,6 @@ class ChunkReader:
         return out
 
     def read(self, key: str) -> torch.Tensor:
-        """Tensor `key` whole, with its shape."""
+        """Tensor `key` whole, with its shape (in C order, whatever order it is stored in)."""
         entry, _ = self.entries[key]
-        return self.read_range(key, 0, entry.numel).view(entry.shape)
+        return from_split_order(self.read_range(key, 0, entry.numel), entry.shape, entry.split).contiguous()

@@ -14,6 +14,18 @@ so the format depends on neither the unit policy, nor the padding, nor the world
 layout can read any range back. Whole tensors (module buffers, replicated optimizer leaves such
 as a step count) are stored once, with their shape, by rank 0.
 
+A leaf split by a tensor-parallel placement (`Split(dim, axis, chunks)` over `parts` ranks) is
+stored in its *split order* (`Entry.split = (dim, chunks, parts)`, format version 3): the full
+tensor viewed as `[before, chunks, parts, per, after]` (`before`/`after`: the products of the
+dimensions before and after `dim`) and flattened with `parts` first, so that each rank's piece
+is one contiguous range, `[t * numel / parts, (t + 1) * numel / parts)` for the rank at
+coordinate t, in the piece's own C order. Its FSDP shards are then ranges of that range, written
+by the ranks that hold them; a layout with the same split reads its ranges directly, any other
+rebuilds the full leaf (`from_split_order`) and cuts it. A split whose pieces already are
+contiguous in C order (dimension 0 or only size-1 dimensions before it, one chunk) is stored in
+C order (`split` None), as are all other leaves: a checkpoint with no other split is version 2,
+readable by a functional_shard that knows no tensor parallelism.
+
 The optimizer state may be any pytree: a dict whose keys are exactly the trainable buffer names
 and whose values are shard-shaped (`[spec.shard_numel]`) is parameter-like; every other tensor
 leaf is replicated state.
@@ -22,6 +34,7 @@ leaf is replicated state.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, NamedTuple
 
 import optree
@@ -31,7 +44,8 @@ from .._layout import BufferSpec, Layout
 from .._pytree import NAMESPACE
 
 FORMAT = "functional_shard.checkpoint"
-VERSION = 2  # 2: the save's identity and CRC-32 checksums (version 1 had neither)
+VERSION = 3  # 3: tensors stored in a split order (`Entry.split`); 2: the save's identity and CRC-32s
+READ_VERSIONS = (2, 3)  # what `load` reads; a save writes 2 unless some entry has a split order
 INDEX = "index.json"  # what the checkpoint holds and where (rank 0 writes it first)
 COMMIT = "COMMIT"  # the marker rank 0 writes last, once every rank's file is on disk
 
@@ -64,12 +78,15 @@ class Entry:
         key: its name (`params/...` or `opt/...`).
         shape / dtype: of the full tensor.
         sharded: stored as 1-D chunks by the shard ranks (else whole, by rank 0).
+        split: `(dim, chunks, parts)`: stored flattened in that split order (see the module's
+            docstring), each of `parts` tensor-parallel pieces contiguous; None: C order.
     """
 
     key: str
     shape: tuple[int, ...]
     dtype: torch.dtype
     sharded: bool
+    split: tuple[int, int, int] | None = None
 
     @property
     def numel(self) -> int:
@@ -80,6 +97,39 @@ class Entry:
 
     def describe(self) -> str:
         return f"{dtype_name(self.dtype)}{list(self.shape)}"
+
+
+def split_order(shape: tuple[int, ...], placement: Any, parts: int) -> tuple[int, int, int] | None:
+    """The order a leaf of full `shape` with tensor-parallel `placement` (a `Split`, or None) over
+    `parts` ranks is stored in: `(dim, chunks, parts)`, or None when C order already keeps each
+    piece contiguous (no split, one part, or one chunk of a dimension with only size-1
+    dimensions before it)."""
+    if placement is None or parts == 1:
+        return None
+    dim, chunks = placement.dim % len(shape), placement.chunks
+    if chunks == 1 and math.prod(shape[:dim]) == 1:
+        return None
+    return (dim, chunks, parts)
+
+
+def _split_view(shape: tuple[int, ...], split: tuple[int, int, int]) -> tuple[int, int, int, int, int]:
+    dim, chunks, parts = split
+    return (math.prod(shape[:dim]), chunks, parts, shape[dim] // (chunks * parts), math.prod(shape[dim + 1 :]))
+
+
+def to_split_order(full: torch.Tensor, split: tuple[int, int, int] | None) -> torch.Tensor:
+    """`full` flattened in the order `split` (from `split_order`) stores it (a 1-D tensor)."""
+    if split is None:
+        return full.reshape(-1)
+    return full.reshape(_split_view(tuple(full.shape), split)).permute(2, 0, 1, 3, 4).reshape(-1)
+
+
+def from_split_order(flat: torch.Tensor, shape: tuple[int, ...], split: tuple[int, int, int] | None) -> torch.Tensor:
+    """The inverse of `to_split_order`: the tensor of `shape` whose elements `flat` holds in the order `split`."""
+    if split is None:
+        return flat.reshape(shape)
+    before, chunks, parts, per, after = _split_view(shape, split)
+    return flat.reshape(parts, before, chunks, per, after).permute(1, 2, 0, 3, 4).reshape(shape)
 
 
 class Piece(NamedTuple):
@@ -175,13 +225,31 @@ def step_tensors(state: Any) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
+def leaf_split(layout: Layout, leaf: int) -> tuple[int, int, int] | None:
+    """The order leaf `leaf` of `layout` is stored in (`split_order` of its placement)."""
+    placement = layout.placement(leaf)
+    if placement is None:
+        return None
+    full, piece = layout.full_shape(leaf), layout.shapes[leaf]
+    return split_order(full, placement, full[placement.dim] // piece[placement.dim])
+
+
+def piece_start(layout: Layout, leaf: int, coordinates: dict[str, int]) -> int:
+    """Where the piece of leaf `leaf` held at `coordinates` (a rank's, on every mesh axis)
+    starts in the leaf's stored order: its coordinate on the placement's axis times the piece's
+    elements (0 for a leaf held whole)."""
+    placement = layout.placement(leaf)
+    return 0 if placement is None else coordinates[placement.axis] * math.prod(layout.shapes[leaf])
+
+
 def entries_of(layout: Layout, slots: list[OptimizerSlot], extras: list[tuple[str, torch.Tensor]] = ()) -> list[Entry]:
     """Every logical tensor of a state with this layout and optimizer state, in a fixed order:
     model leaves (flatten order), then optimizer slots, each parameter-like one by leaf, then
-    the step's own tensors (`step_tensors`)."""
+    the step's own tensors (`step_tensors`). Shapes are the full leaves' (before a
+    tensor-parallel placement cut them), with their stored order (`leaf_split`)."""
     local = set(layout.local)
     out = [
-        Entry(model_key(layout, i), tuple(layout.shapes[i]), layout.dtypes[i], i not in local)
+        Entry(model_key(layout, i), tuple(layout.full_shape(i)), layout.dtypes[i], i not in local, leaf_split(layout, i))
         for i in range(len(layout.paths))
     ]
     for slot in slots:
@@ -190,7 +258,8 @@ def entries_of(layout: Layout, slots: list[OptimizerSlot], extras: list[tuple[st
                 if spec.trainable:
                     for i in spec.leaves:
                         key = optimizer_key(slot.path, layout.paths[i])
-                        out.append(Entry(key, tuple(layout.shapes[i]), slot.value[spec.name].dtype, True))
+                        dtype = slot.value[spec.name].dtype
+                        out.append(Entry(key, tuple(layout.full_shape(i)), dtype, True, leaf_split(layout, i)))
         else:
             out.append(Entry(optimizer_key(slot.path), tuple(slot.value.shape), slot.value.dtype, False))
     out += [Entry(key, tuple(value.shape), value.dtype, False) for key, value in extras]
@@ -206,7 +275,10 @@ def entries_of(layout: Layout, slots: list[OptimizerSlot], extras: list[tuple[st
 
 
 def entry_to_json(entry: Entry, chunks: list[list]) -> dict:
-    return {"key": entry.key, "shape": list(entry.shape), "dtype": dtype_name(entry.dtype), "sharded": entry.sharded, "chunks": chunks}
+    item = {"key": entry.key, "shape": list(entry.shape), "dtype": dtype_name(entry.dtype), "sharded": entry.sharded}
+    if entry.split is not None:
+        item["split"] = list(entry.split)
+    return {**item, "chunks": chunks}
 
 
 def entry_from_json(item: Any) -> tuple[Entry, list[tuple[str, str, int, int]]]:
@@ -220,9 +292,17 @@ def entry_from_json(item: Any) -> tuple[Entry, list[tuple[str, str, int, int]]]:
         if not all(isinstance(d, int) and d >= 0 for d in shape):
             raise TypeError
         chunks = [(str(f), str(n), int(o), int(length)) for f, n, o, length in raw_chunks]
+        split = item.get("split")
+        if split is not None:
+            if not (isinstance(split, list) and len(split) == 3 and all(isinstance(v, int) and v >= 1 for v in split[1:])):
+                raise TypeError
+            dim, chunk_count, parts = split
+            if not (isinstance(dim, int) and 0 <= dim < len(shape) and shape[dim] % (chunk_count * parts) == 0):
+                raise TypeError
+            split = (dim, chunk_count, parts)
     except (KeyError, TypeError, ValueError, AttributeError) as error:
         raise CheckpointError(f"the checkpoint index has a malformed entry ({item!r:.120})") from error
-    entry = Entry(key, tuple(shape), dtype, sharded)
+    entry = Entry(key, tuple(shape), dtype, sharded, split)
     covered = 0
     for _, _, offset, length in sorted(chunks, key=lambda c: c[2]):
         if offset != covered or length <= 0:

@@ -69,7 +69,8 @@ def load_full(
             replaced by the file's, except non-persistent ones.
 
     Returns a new `StepState` (or `Sharded`) whose gathered parameters equal the file's tensors
-    bit for bit. Raises `CheckpointError` on every rank, naming the first missing or
+    bit for bit (`fs.gather(..., full=True)` with tensor-parallel placements; each rank then
+    reads each split leaf whole, one at a time, and keeps its piece). Raises `CheckpointError` on every rank, naming the first missing or
     mismatched tensor, before reading any.
     """
     sharded = template.params if isinstance(template, StepState) else template
@@ -78,10 +79,15 @@ def load_full(
     _check_shards(sharded)
     layout, mesh = sharded.layout, sharded.mesh
     mesh.agree(OPERATION)
-    leaves: list[torch.Tensor] = [torch.empty(shape, dtype=dtype, device="meta") for shape, dtype in zip(layout.shapes, layout.dtypes)]
+    leaves: list[torch.Tensor] = [
+        torch.empty(layout.full_shape(i), dtype=dtype, device="meta") for i, dtype in enumerate(layout.dtypes)
+    ]
     for i, t in zip(layout.local, sharded.local):
         leaves[i] = t
-    loaded = shard_from(from_safetensors(path, rename=rename, strict=strict), layout, leaves, mesh, operation=OPERATION)
+    # The file holds the full leaves (`layout.full_shape`); with tensor-parallel placements each
+    # split leaf is read whole, one at a time, and cut to this rank's piece (`shard_from`).
+    initialize = from_safetensors(path, rename=rename, strict=strict)
+    loaded = shard_from(initialize, layout, leaves, mesh, operation=OPERATION, full_layout=layout)
     loaded = loaded.replace(shards=[s.to(old.device) for s, old in zip(loaded.shards, sharded.shards)])
     return template.replace(params=loaded) if isinstance(template, StepState) else loaded
 
@@ -164,9 +170,9 @@ class _FileSource(LeafSource):
                 )
             stored = self.handle.get_slice(name)
             shape, dtype = tuple(stored.get_shape()), _TORCH_DTYPES.get(stored.get_dtype())
-            if shape != tuple(layout.shapes[i]) or dtype != layout.dtypes[i]:
+            if shape != tuple(layout.full_shape(i)) or dtype != layout.dtypes[i]:
                 got = f"{str(dtype).removeprefix('torch.') if dtype else stored.get_dtype()}{list(shape)}"
-                want = f"{str(layout.dtypes[i]).removeprefix('torch.')}{list(layout.shapes[i])}"
+                want = f"{str(layout.dtypes[i]).removeprefix('torch.')}{list(layout.full_shape(i))}"
                 raise CheckpointError(
                     f"{where} holds {name!r} as {got}, but {layout.describe_leaf(i)} is {want}: the file was saved "
                     f"from another model or in another dtype (no casts are made)"
@@ -185,7 +191,8 @@ class _FileSource(LeafSource):
         if leaf not in self.names:
             return self.leaves[leaf].detach().reshape(-1)[start : start + length]
         stored = self.handle.get_slice(self.names[leaf])
-        parts = [stored[index].reshape(-1) for index in flat_range_slices(self.layout.shapes[leaf], start, start + length)]
+        shape = self.layout.full_shape(leaf)
+        parts = [stored[index].reshape(-1) for index in flat_range_slices(shape, start, start + length)]
         out = torch.cat(parts) if len(parts) != 1 else parts[0]
         assert out.numel() == length, (self.names[leaf], start, length, out.numel())
         self.spec.elements_read += length

@@ -9,8 +9,10 @@ from typing import Any
 import torch
 
 from .._layout import BufferSpec, Layout
+from .._mesh import BaseMesh
 from .._shard import _check_shards
 from .._step import StepState
+from ..tensor_parallel._placement import split_tensor
 from ._files import ChunkReader, open_index
 from ._format import (
     CheckpointError,
@@ -19,7 +21,9 @@ from ._format import (
     model_key,
     optimizer_key,
     optimizer_slots,
+    piece_start,
     shard_pieces,
+    split_order,
     step_tensors,
 )
 
@@ -41,10 +45,13 @@ def load(path: str | os.PathLike, template: StepState, *, verify: bool = True) -
             file's header is still checked against the commit marker and the save's identity.
 
     Returns a new `StepState` of the template's step, holding the saved parameters, optimizer
-    state and step number. The checkpoint may come from any world size, mesh (hybrid or not)
-    or unit policy: each rank reads exactly the ranges of each leaf that its shards cover, so
-    the gathered values equal the saved ones bit for bit. Module buffers (stored once, from
-    rank 0 at save time) are given to every rank.
+    state and step number. The checkpoint may come from any world size, mesh (hybrid or not,
+    with or without a tensor-parallel axis), placements or unit policy: each rank reads exactly
+    the ranges of each leaf that its shards cover where the leaf is stored in the order its
+    placement needs (the same split, or C order for a leaf it holds whole or splits along its
+    first dimension); otherwise it reads the whole leaf, one at a time, and cuts its piece. The
+    gathered values (`fs.gather(state.params, full=True)`) equal the saved ones bit for bit.
+    Module buffers (stored once, from rank 0 at save time) are given to every rank.
 
     Raises `CheckpointError`, on every rank and before any tensor is read, if the checkpoint is
     incomplete (naming what is missing: an interrupted save), is not a checkpoint, or does not
@@ -86,11 +93,13 @@ def _load_here(path: str, template: StepState, verify: bool) -> StepState:
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise CheckpointError(f"checkpoint {path} has a malformed step count {step!r:.40}")
 
+        pieces = _Pieces(reader, layout, mesh)
+
         def model(i: int) -> str:
             return model_key(layout, i)
 
         shards = [
-            _read_shard(reader, layout, spec, mesh.shard_index, model, spec.dtype, s.device)
+            _read_shard(pieces, layout, spec, mesh.shard_index, model, spec.dtype, s.device)
             for spec, s in zip(layout.buffers, sharded.shards)
         ]
         local = [reader.read(model(i)).to(t.device) for i, t in zip(layout.local, sharded.local)]
@@ -104,7 +113,7 @@ def _load_here(path: str, template: StepState, verify: bool) -> StepState:
                 leaves.append(
                     {
                         spec.name: _read_shard(
-                            reader, layout, spec, mesh.shard_index, key_of, slot.value[spec.name].dtype, slot.value[spec.name].device
+                            pieces, layout, spec, mesh.shard_index, key_of, slot.value[spec.name].dtype, slot.value[spec.name].device
                         )
                         for spec in layout.buffers
                         if spec.trainable
@@ -126,12 +135,42 @@ def _load_here(path: str, template: StepState, verify: bool) -> StepState:
     )
 
 
-def _read_shard(reader: ChunkReader, layout: Layout, spec: BufferSpec, shard_index: int, key_of, dtype, device) -> torch.Tensor:
+class _Pieces:
+    """Ranges of this rank's tensor-parallel pieces of the saved leaves (whole leaves where no
+    placement cuts them), from a checkpoint stored at any layout.
+
+    Direct range reads when the stored order keeps this rank's piece contiguous (`split_order`
+    of the leaf's placement here equals the entry's); otherwise the leaf is read whole, put back
+    in C order, cut by the placement and kept until another leaf is asked for (one at a time)."""
+
+    def __init__(self, reader: ChunkReader, layout: Layout, mesh: BaseMesh):
+        self.reader, self.layout, self.mesh = reader, layout, mesh
+        self.coordinates = mesh.coordinates
+        self._cut: tuple[str, torch.Tensor] | None = None
+
+    def read(self, key: str, leaf: int, start: int, length: int) -> torch.Tensor:
+        """Elements `[start, start + length)` of this rank's piece of leaf `leaf` (1-D), from the
+        checkpoint's tensor `key` (the leaf, or an optimizer tensor shaped like it)."""
+        entry, _ = self.reader.entries[key]
+        placement = self.layout.placement(leaf)
+        parts = 1 if placement is None else self.mesh.shape[placement.axis]
+        if entry.split == split_order(entry.shape, placement, parts):
+            return self.reader.read_range(key, piece_start(self.layout, leaf, self.coordinates) + start, length)
+        if self._cut is None or self._cut[0] != key:
+            self._cut = None  # drop the previous leaf first
+            whole = self.reader.read(key)
+            if placement is not None:
+                whole = split_tensor(whole, placement, self.coordinates[placement.axis], parts)
+            self._cut = (key, whole.reshape(-1))
+        return self._cut[1][start : start + length]
+
+
+def _read_shard(pieces: _Pieces, layout: Layout, spec: BufferSpec, shard_index: int, key_of, dtype, device) -> torch.Tensor:
     """Shard `shard_index` of buffer `spec` (`[spec.shard_numel]`, padding zero) from the saved leaves."""
     out = torch.zeros(spec.shard_numel, dtype=dtype)
     for piece in shard_pieces(spec, shard_index):
-        out[piece.shard_offset : piece.shard_offset + piece.length] = reader.read_range(
-            key_of(piece.leaf), piece.leaf_offset, piece.length
+        out[piece.shard_offset : piece.shard_offset + piece.length] = pieces.read(
+            key_of(piece.leaf), piece.leaf, piece.leaf_offset, piece.length
         )
     return out.to(device)
 

@@ -6,7 +6,7 @@ import os
 import secrets
 import shutil
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 import torch
 
@@ -27,6 +27,7 @@ from ._format import (
     model_key,
     optimizer_key,
     optimizer_slots,
+    piece_start,
     rank_file,
     shard_pieces,
     step_tensors,
@@ -51,9 +52,12 @@ def save(path: str | os.PathLike, state: StepState, *, overwrite: bool = False) 
 
     Each shard rank writes only its own chunks (`rank-XXXXX.safetensors`): the pieces of each
     parameter and parameter-like optimizer tensor its shards hold. On a hybrid mesh only the
-    replica with coordinate 0 on every replicate axis writes, so no chunk is written twice.
-    Rank 0 also writes the index, the whole tensors (module buffers: rank 0's, as a full state
-    dict holds them; replicated optimizer leaves such as the step count) and the step number.
+    replica with coordinate 0 on every replicate axis writes, so no chunk is written twice. On a
+    mesh with a tensor-parallel axis, each rank of it writes its own pieces of the leaves split
+    over it (stored in the leaf's split order, see `_format`), and the leaves every rank of the
+    axis holds whole are written by the ranks at coordinate 0 on it. Rank 0 also writes the
+    index, the whole tensors (module buffers: rank 0's, as a full state dict holds them;
+    replicated optimizer leaves such as the step count) and the step number.
 
     Atomic: everything goes to `<path>.partial-<token>/`, and only once every rank has written
     its file does rank 0 write the `COMMIT` marker and rename the directory to `path`. A save
@@ -75,7 +79,7 @@ def save(path: str | os.PathLike, state: StepState, *, overwrite: bool = False) 
     slots, structure = optimizer_slots(state.opt_state, layout)
     path = Path(os.path.abspath(path))
     mesh.check_same("the checkpoint's path and contents", f"{path}|{layout.signature()}|{structure}")
-    writers = shard_writers(mesh)
+    writers = _writers(layout, mesh)
 
     # Rank 0 picks the directory to write into and writes the index there first, so that an
     # interrupted save can always say which files it lacks.
@@ -111,10 +115,11 @@ def save(path: str | os.PathLike, state: StepState, *, overwrite: bool = False) 
     tmp = _partial(path, code)
 
     size, header, error = 0, "0", None
-    if mesh.rank in writers.values():
+    if mesh.rank in writers:
         try:
-            tensors = _rank_tensors(state, slots, mesh.shard_index, whole=mesh.rank == 0)
-            metadata = {"format": FORMAT, "version": str(VERSION), "rank": str(mesh.rank), "save": _save_id(code)}
+            tensors = _rank_tensors(state, slots, writers[mesh.rank], whole=mesh.rank == 0)
+            version = _version(entries_of(layout, slots))
+            metadata = {"format": FORMAT, "version": str(version), "rank": str(mesh.rank), "save": _save_id(code)}
             size, header = _files.write_rank_file(tmp / rank_file(mesh.rank), tensors, metadata)
         except Exception as e:  # noqa: BLE001
             error = e
@@ -124,13 +129,13 @@ def save(path: str | os.PathLike, state: StepState, *, overwrite: bool = False) 
     committed = 0
     if not failed and mesh.rank == 0:
         try:
-            ranks = sorted(writers.values())
+            ranks = sorted(writers)
             marker = {
                 "save": _save_id(code),
                 "files": {rank_file(r): sizes[r] for r in ranks},
                 "headers": {rank_file(r): f"{headers[r]:08x}" for r in ranks},
             }
-            _files.commit(tmp, path, marker, overwrite, f"{code:016x}")
+            _files.commit(tmp, path, marker, overwrite, f"{code:016x}", _version(entries_of(layout, slots)))
             committed = 1
         except Exception as e:  # noqa: BLE001
             error = e
@@ -165,29 +170,65 @@ def _json(index: dict) -> bytes:
 
 
 def shard_writers(mesh: BaseMesh) -> dict[int, int]:
-    """Shard index -> the rank that writes it: the one at coordinate 0 on every replicate axis."""
+    """Shard index -> the rank that writes it (for a layout with no tensor-parallel split): the
+    one at coordinate 0 on every replicate axis and every model-parallel axis."""
     writers = {}
     for rank in range(mesh.world_size):
         coordinates = _coordinates(mesh, rank)
-        if all(coordinates[axis] == 0 for axis in mesh.replicate_axes):
-            writers[coordinates[mesh.shard_axis]] = rank
+        if all(coordinates[axis] == 0 for axis in (*mesh.replicate_axes, *mesh.model_axes)):
+            writers[coordinates[mesh.shard_axis] if mesh.shard_axis is not None else 0] = rank
     return writers
 
 
-def _pieces(layout: Layout, slots: list[OptimizerSlot], shard_index: int) -> Iterator[tuple[str, int, Piece, OptimizerSlot | None]]:
-    """(key, buffer position, piece, optimizer slot or None for parameters) for every chunk that
-    shard `shard_index` holds."""
+class Writer(NamedTuple):
+    """A rank that writes chunks, and where it sits."""
+
+    shard_index: int  # its coordinate on the shard axis (0 without one)
+    coordinates: dict[str, int]  # its coordinate on every mesh axis
+
+
+def _writers(layout: Layout, mesh: BaseMesh) -> dict[int, Writer]:
+    """Rank -> `Writer`, for every rank that writes a file: rank 0, and each rank at coordinate 0
+    on every replicate axis that holds a chunk no other such rank writes (see `_pieces`)."""
+    out = {}
+    for rank in range(mesh.world_size):
+        coordinates = _coordinates(mesh, rank)
+        if any(coordinates[axis] != 0 for axis in mesh.replicate_axes):
+            continue
+        writer = Writer(coordinates[mesh.shard_axis] if mesh.shard_axis is not None else 0, coordinates)
+        if rank == 0 or next(_pieces(layout, [], writer, mesh.model_axes), None) is not None:
+            out[rank] = writer
+    return out
+
+
+def _version(entries) -> int:
+    """The format version a save writes: 3 when a tensor is stored in a split order, else 2
+    (what a functional_shard without tensor parallelism reads)."""
+    return VERSION if any(entry.split is not None for entry in entries) else 2
+
+
+def _pieces(
+    layout: Layout, slots: list[OptimizerSlot], writer: Writer, model_axes: tuple[str, ...]
+) -> Iterator[tuple[str, int, Piece, int, OptimizerSlot | None]]:
+    """(key, buffer position, piece, where the piece starts in the stored leaf, optimizer slot or
+    None for parameters) for every chunk that `writer` writes: those of the pieces of its shard
+    of each buffer whose leaf it holds at coordinate 0 on every model-parallel axis the leaf is
+    not split over (so that a leaf every rank of `tp` holds whole is written once)."""
     for k, spec in enumerate(layout.buffers):
-        for piece in shard_pieces(spec, shard_index):
-            yield model_key(layout, piece.leaf), k, piece, None
+        for piece in shard_pieces(spec, writer.shard_index):
+            placement = layout.placement(piece.leaf)
+            if any(writer.coordinates[a] != 0 for a in model_axes if placement is None or a != placement.axis):
+                continue
+            start = piece_start(layout, piece.leaf, writer.coordinates) + piece.leaf_offset
+            yield model_key(layout, piece.leaf), k, piece, start, None
             if spec.trainable:
                 for slot in slots:
                     if slot.param_like:
-                        yield optimizer_key(slot.path, layout.paths[piece.leaf]), k, piece, slot
+                        yield optimizer_key(slot.path, layout.paths[piece.leaf]), k, piece, start, slot
 
 
-def _chunk_name(key: str, piece: Piece) -> str:
-    return f"{key}@{piece.leaf_offset}"
+def _chunk_name(key: str, start: int) -> str:
+    return f"{key}@{start}"
 
 
 def _whole(state: StepState, slots: list[OptimizerSlot]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -200,14 +241,14 @@ def _whole(state: StepState, slots: list[OptimizerSlot]) -> Iterator[tuple[str, 
     yield from step_tensors(state)
 
 
-def _rank_tensors(state: StepState, slots: list[OptimizerSlot], shard_index: int, whole: bool) -> dict[str, torch.Tensor]:
+def _rank_tensors(state: StepState, slots: list[OptimizerSlot], writer: Writer, whole: bool) -> dict[str, torch.Tensor]:
     """This rank's chunks (fresh CPU copies: safetensors refuses tensors that share memory)."""
     sharded = state.params
     tensors = {}
-    for key, k, piece, slot in _pieces(sharded.layout, slots, shard_index):
+    for key, k, piece, start, slot in _pieces(sharded.layout, slots, writer, sharded.mesh.model_axes):
         spec = sharded.layout.buffers[k]
         shard = sharded.shards[k] if slot is None else slot.value[spec.name]
-        tensors[_chunk_name(key, piece)] = shard.detach()[piece.shard_offset : piece.shard_offset + piece.length].to("cpu", copy=True)
+        tensors[_chunk_name(key, start)] = shard.detach()[piece.shard_offset : piece.shard_offset + piece.length].to("cpu", copy=True)
     if whole:
         for key, tensor in _whole(state, slots):
             if tensor.numel():
@@ -215,33 +256,34 @@ def _rank_tensors(state: StepState, slots: list[OptimizerSlot], shard_index: int
     return tensors
 
 
-def _index(state: StepState, slots: list[OptimizerSlot], structure: str, writers: dict[int, int], save: str) -> dict:
+def _index(state: StepState, slots: list[OptimizerSlot], structure: str, writers: dict[int, Writer], save: str) -> dict:
     import functional_shard
 
     layout, mesh = state.params.layout, state.params.mesh
     entries = entries_of(layout, slots, step_tensors(state))
     chunks: dict[str, list[list]] = {entry.key: [] for entry in entries}
-    for shard_index in range(layout.num_shards):
-        file = rank_file(writers[shard_index])
-        for key, _, piece, _ in _pieces(layout, slots, shard_index):
-            chunks[key].append([file, _chunk_name(key, piece), piece.leaf_offset, piece.length])
+    for rank, writer in writers.items():
+        file = rank_file(rank)
+        for key, _, piece, start, _ in _pieces(layout, slots, writer, mesh.model_axes):
+            chunks[key].append([file, _chunk_name(key, start), start, piece.length])
     for key, tensor in _whole(state, slots):
         if tensor.numel():
             chunks[key].append([rank_file(0), key, 0, tensor.numel()])
     return {
         "format": FORMAT,
-        "version": VERSION,
+        "version": _version(entries),
         "save": save,
         "step": int(state.step),
         "optimizer_structure": structure,
         "saved_by": {
             "mesh": mesh.shape,
             "shard_axis": mesh.shard_axis,
+            "placements": {layout.paths[i]: repr(p) for i, p in enumerate(layout.placements) if p is not None},
             "world_size": mesh.world_size,
             "units": list(layout.units),
             "torch": torch.__version__,
             "functional_shard": functional_shard.__version__,
         },
-        "files": {rank_file(rank): rank for rank in sorted(writers.values())},
+        "files": {rank_file(rank): rank for rank in sorted(writers)},
         "entries": [entry_to_json(entry, chunks[entry.key]) for entry in entries],
     }
