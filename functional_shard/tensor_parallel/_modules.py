@@ -38,8 +38,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._collectives import copy_to, gather_along, reduce_from, scatter_along
+from ._collectives import copy_to, gather_along, reduce_from, reduce_scatter_along, scatter_along
 from ._placement import PlacementError, Split, _as_rules, placements_for
+from ._sequence import SEQUENCE_DIM, _SequenceParallel, apply_role, role_style, sequence_roles
 
 __all__ = ["parallelize", "parallelized_modules"]
 
@@ -68,13 +69,25 @@ class TensorParallelLinear(_TensorParallel):
     """`nn.Linear` on its column- or row-parallel pieces (the class `parallelize` gives it is a
     subclass of the module's own class and of this one)."""
 
+    # Under sequence parallelism (`_sequence`): "gathered" (the enclosing module gathered the
+    # input along the sequence), "gather" (gather it here), "scatter" (reduce-scatter the output
+    # along the sequence, then a bias through copy_to: it is added on sequence slices).
+    _fs_sequence: str | None = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        style, mesh, axis = self._fs_style, self._fs_mesh, self._fs_axis
+        style, mesh, axis, sequence = self._fs_style, self._fs_mesh, self._fs_axis, self._fs_sequence
         if style in _COLWISE or style in _COLWISE_GATHERED:
-            y = F.linear(copy_to(x, mesh, axis), self.weight, self.bias)
+            if sequence == "gather":
+                x = gather_along(x, SEQUENCE_DIM, mesh, axis)
+            elif sequence is None:
+                x = copy_to(x, mesh, axis)
+            y = F.linear(x, self.weight, self.bias)
             return gather_along(y, -1, mesh, axis, grad="split") if style in _COLWISE_GATHERED else y
         if style in _ROWWISE_SPLIT_INPUT:
             x = scatter_along(x, -1, mesh, axis)
+        if sequence == "scatter":
+            y = reduce_scatter_along(F.linear(x, self.weight), SEQUENCE_DIM, mesh, axis)
+            return y if self.bias is None else y + copy_to(self.bias, mesh, axis)
         y = reduce_from(F.linear(x, self.weight), mesh, axis)
         return y if self.bias is None else y + self.bias
 
@@ -101,7 +114,7 @@ class TensorParallelEmbedding(_TensorParallel):
 
 def _module_class(module: nn.Module, base: type) -> type:
     cls = type(module)
-    if isinstance(module, _TensorParallel):
+    if isinstance(module, (_TensorParallel, _SequenceParallel)):
         return cls
     return type(f"{base.__name__}[{cls.__name__}]", (base, cls), {"__module__": __name__})
 
@@ -113,7 +126,15 @@ def _style_of(path: str, shape: tuple, rules: list) -> str | None:
     return None
 
 
-def parallelize(model: nn.Module, rules: Iterable[Any], mesh: Any, *, loss_parallel: bool = False) -> nn.Module:
+def parallelize(
+    model: nn.Module,
+    rules: Iterable[Any],
+    mesh: Any,
+    *,
+    loss_parallel: bool = False,
+    sequence_parallel: bool = False,
+    blocks: str | None = None,
+) -> nn.Module:
     """Give every module that `rules` split a forward on its tensor-parallel pieces (in place).
 
     Arguments:
@@ -125,16 +146,25 @@ def parallelize(model: nn.Module, rules: Iterable[Any], mesh: Any, *, loss_paral
             which modules are split at all (an axis of size 1 splits nothing).
         loss_parallel: keep the vocabulary split after a `colwise_gather_output` head (see the
             module docstring).
+        sequence_parallel: split the residual stream along the sequence (dimension 1 of
+            `[batch, seq, hidden]`) over the axis from the first block on: norms, dropout and
+            residual adds run on `seq / tp` tokens per rank (`_sequence`, docs/parallelism.md).
+            The sequence length must be divisible by the axis size.
+        blocks: with `sequence_parallel`, the path of the transformer blocks' `nn.ModuleList`
+            (`"model.layers"`, `"blocks"`); default: the one list whose every element holds
+            split modules.
 
     Returns `model`. Raises `PlacementError` naming the module for a style on a module that is
-    not a Linear or an Embedding, a rowwise Linear with a split bias, or an Embedding with
-    `max_norm` (it would renormalize rows in place).
+    not a Linear or an Embedding, a rowwise Linear with a split bias, an Embedding with
+    `max_norm` (it would renormalize rows in place), and, with `sequence_parallel`, for what it
+    cannot run (`sequence_roles`).
     """
     rules = _as_rules(rules)
     canonical = {id(p): name for name, p in model.named_parameters()}
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
     sizes = dict(mesh.shape)
     placements = placements_for(shapes, rules, sizes)
+    split: dict[str, tuple[str, str]] = {}
     for name, module in model.named_modules():
         weight = module._parameters.get("weight") if hasattr(module, "_parameters") else None
         if weight is None:
@@ -147,7 +177,6 @@ def parallelize(model: nn.Module, rules: Iterable[Any], mesh: Any, *, loss_paral
         if loss_parallel and style == "colwise_gather_output":
             style = "colwise"
         if isinstance(module, nn.Linear) and style in _LINEAR_STYLES:
-            base = TensorParallelLinear
             bias = module._parameters.get("bias")
             if bias is not None and style in _ROWWISE | _ROWWISE_SPLIT_INPUT:
                 if isinstance(placements.get(canonical.get(id(bias), f"{name}.bias")), Split):
@@ -156,7 +185,6 @@ def parallelize(model: nn.Module, rules: Iterable[Any], mesh: Any, *, loss_paral
                         f"added once, after the sum over {placement.axis!r}; place it Replicated()"
                     )
         elif isinstance(module, nn.Embedding) and style in _EMBEDDING_STYLES:
-            base = TensorParallelEmbedding
             if module.max_norm is not None:
                 raise PlacementError(
                     f"embedding {name!r} has max_norm={module.max_norm}: it renormalizes rows in place, which a "
@@ -168,11 +196,36 @@ def parallelize(model: nn.Module, rules: Iterable[Any], mesh: Any, *, loss_paral
                 f"nn.Linear ({sorted(_LINEAR_STYLES)}) and nn.Embedding ({sorted(_EMBEDDING_STYLES)}) modules only: "
                 f"give its leaves a rule without a style and apply the collectives in loss_fn yourself"
             )
+        split[name] = (style, placement.axis)
+    roles = {}
+    if sequence_parallel and split:
+        replicated = {path for path, placement in placements.items() if not isinstance(placement, Split)}
+        _, sequence_axis, roles = sequence_roles(model, split, replicated, blocks)
+    # Every check passed: only now are classes changed.
+    modules = dict(model.named_modules())
+    for name, (style, axis) in split.items():
+        module = modules[name]
+        base = TensorParallelLinear if isinstance(module, nn.Linear) else TensorParallelEmbedding
         module.__class__ = _module_class(module, base)
-        module._fs_style, module._fs_mesh, module._fs_axis = style, mesh, placement.axis
+        module._fs_style, module._fs_mesh, module._fs_axis = style, mesh, axis
+        if name in roles:
+            module._fs_sequence = roles[name].linear
+    for name, role in roles.items():
+        if name not in split:
+            apply_role(modules[name], role, role_style(role), mesh, sequence_axis, _module_class)
     return model
 
 
 def parallelized_modules(model: nn.Module) -> dict[str, str]:
-    """Module path -> style of the modules `parallelize` gave a tensor-parallel forward."""
-    return {name: m._fs_style for name, m in model.named_modules() if isinstance(m, _TensorParallel)}
+    """Module path -> style of the modules `parallelize` gave a tensor-parallel forward (with
+    `sequence_parallel`, what each does on the sequence: `"rowwise+sequence_reduce_scatter_output"`,
+    `"sequence_parallel"` for a norm, `"sequence_gather_input"` for an attention or MLP module)."""
+    out = {}
+    for name, m in model.named_modules():
+        if isinstance(m, (_TensorParallel, _SequenceParallel)):
+            sequence = getattr(m, "_fs_sequence", None)
+            out[name] = m._fs_style + (f"+sequence_{_SEQUENCE_NAMES[sequence]}" if sequence else "")
+    return out
+
+
+_SEQUENCE_NAMES = {"gathered": "gathered_input", "gather": "gather_input", "scatter": "reduce_scatter_output"}
