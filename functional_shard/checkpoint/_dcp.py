@@ -25,12 +25,14 @@ import torch
 
 from .._export import state_dict_names
 from .._layout import BufferSpec, Layout
+from .._mesh import BaseMesh
 from .._pytree import NAMESPACE
 from .._shard import _check_shards
 from .._step import StepState
 from ..optim import AdamWState
+from ..tensor_parallel._placement import split_tensor
 from ._dcp_files import DcpIndex, DcpReader, DcpTensor, read_metadata
-from ._format import CheckpointError, _entry_name, shard_pieces
+from ._format import CheckpointError, _entry_name, piece_start, shard_pieces, split_order
 
 __all__ = ["load_dcp", "read_dcp"]
 
@@ -79,7 +81,9 @@ def load_dcp(
     `exp_avg_sq` (and `max_exp_avg_sq` with `amsgrad`) equal the checkpoint's tensors bit for
     bit, whose `count` is torch's per-parameter `step` and whose step number is that count. The
     RNG seed is the template's. Each rank reads only the byte ranges its shards need (whole
-    chunks of the tensors they touch), at any world size, mesh or unit policy.
+    chunks of the tensors they touch), at any world size, mesh or unit policy; with
+    tensor-parallel placements, a leaf split along another dimension than its first is read
+    whole (one at a time) and cut to this rank's piece.
 
     Raises `CheckpointError` on every rank, before any tensor is read: naming the missing, extra
     or mismatched tensors with their shapes and dtypes (no casts are made), an optimizer state
@@ -201,7 +205,7 @@ def _match_model(
         candidates = [rename(n) for n in names]
         used.update(candidates)
         name = next((c for c in candidates if c in found), None)
-        want = _describe(layout.dtypes[i], layout.shapes[i])
+        want = _describe(layout.dtypes[i], layout.full_shape(i))
         if not names:  # a non-persistent buffer: no state dict holds it; the template's value stays
             if local_of[i].is_meta:
                 raise CheckpointError(
@@ -213,7 +217,7 @@ def _match_model(
             missing.append(f"{candidates[0]!r} ({want})")
             continue
         tensor = found[name]
-        if tensor.shape != tuple(layout.shapes[i]) or tensor.dtype != layout.dtypes[i]:
+        if tensor.shape != tuple(layout.full_shape(i)) or tensor.dtype != layout.dtypes[i]:
             mismatched.append(f"{name!r} is {tensor.describe()} in the checkpoint, {want} in this state")
         matched[i] = tensor
     extra = [f"{name!r} ({tensor.describe()})" for name, tensor in found.items() if name not in used] if strict else []
@@ -301,7 +305,7 @@ def _match_optimizer(
             if name == "step":  # any real dtype: its value is a count
                 shape, dtype = (), tensor.dtype
             else:
-                shape, dtype = tuple(layout.shapes[i]), getattr(adam, name)[spec.name].dtype
+                shape, dtype = tuple(layout.full_shape(i)), getattr(adam, name)[spec.name].dtype
             if tensor.shape != shape or tensor.dtype != dtype:
                 want = _describe(dtype, shape)
                 mismatched.append(f"'{fqn}.{name}' is {tensor.describe()} in the checkpoint, {want} in this state")
@@ -348,13 +352,38 @@ def _count(reader: DcpReader, steps: list[DcpTensor], where: str) -> int:
 # --- reading this rank's part ---------------------------------------------------------------------
 
 
+class _Pieces:
+    """Ranges of this rank's tensor-parallel pieces of the checkpoint's full tensors (whole
+    leaves where no placement cuts them): read directly where the piece is a range of the tensor
+    in C order (no placement, or a split of the first dimension); otherwise the tensor is read
+    whole, cut by the placement and kept until another tensor is asked for (one at a time)."""
+
+    def __init__(self, reader: DcpReader, layout: Layout, mesh: BaseMesh):
+        self.reader, self.layout, self.mesh = reader, layout, mesh
+        self.coordinates = mesh.coordinates
+        self._cut: tuple[str, torch.Tensor] | None = None
+
+    def read(self, key: str, leaf: int, start: int, length: int) -> torch.Tensor:
+        placement = self.layout.placement(leaf)
+        if placement is None:
+            return self.reader.read_range(key, start, length)
+        parts = self.mesh.shape[placement.axis]
+        if split_order(self.layout.full_shape(leaf), placement, parts) is None:
+            return self.reader.read_range(key, piece_start(self.layout, leaf, self.coordinates) + start, length)
+        if self._cut is None or self._cut[0] != key:
+            self._cut = None  # drop the previous tensor first
+            whole = split_tensor(self.reader.read(key), placement, self.coordinates[placement.axis], parts)
+            self._cut = (key, whole.reshape(-1))
+        return self._cut[1][start : start + length]
+
+
 def _read_shard(
-    reader: DcpReader, spec: BufferSpec, shard_index: int, tensor_of: Callable[[int], DcpTensor], dtype, device
+    reader: _Pieces, spec: BufferSpec, shard_index: int, tensor_of: Callable[[int], DcpTensor], dtype, device
 ) -> torch.Tensor:
     """Shard `shard_index` of buffer `spec` (`[spec.shard_numel]`, padding zero) from the checkpoint."""
     out = torch.zeros(spec.shard_numel, dtype=dtype)
     for piece in shard_pieces(spec, shard_index):
-        part = reader.read_range(tensor_of(piece.leaf).key, piece.leaf_offset, piece.length)
+        part = reader.read(tensor_of(piece.leaf).key, piece.leaf, piece.leaf_offset, piece.length)
         out[piece.shard_offset : piece.shard_offset + piece.length] = part
     return out.to(device)
 
@@ -391,8 +420,9 @@ def _load_here(path: str, template: StepState, model_key, optim_key, rename, str
             )
         adam_parts = (leaves, treedef, k, adam, *_match_optimizer(layout, adam, state, rename, where))
     with DcpReader(index) as reader:
+        pieces = _Pieces(reader, layout, mesh)
         shards = [
-            _read_shard(reader, spec, mesh.shard_index, matched.__getitem__, spec.dtype, _device(s))
+            _read_shard(pieces, spec, mesh.shard_index, matched.__getitem__, spec.dtype, _device(s))
             for spec, s in zip(layout.buffers, sharded.shards)
         ]
         local = [
@@ -409,7 +439,7 @@ def _load_here(path: str, template: StepState, model_key, optim_key, rename, str
                     continue
                 moments[name] = {
                     spec.name: _read_shard(
-                        reader, spec, mesh.shard_index, lambda i, name=name: tensors[name, i],
+                        pieces, spec, mesh.shard_index, lambda i, name=name: tensors[name, i],
                         getattr(adam, name)[spec.name].dtype, _device(getattr(adam, name)[spec.name]),
                     )  # fmt: skip
                     for spec in layout.buffers

@@ -34,9 +34,9 @@ from .._shard import _check_shards
 from .._step import StepState, check_not_donated
 from ._dcp import ADAMW_STATE, _adamw_of
 from ._dcp_files import METADATA
-from ._format import CheckpointError, shard_pieces
+from ._format import CheckpointError
 from ._full import flat_range_slices
-from ._save import shard_writers
+from ._save import Writer, writer_pieces, writers_of
 
 __all__ = ["save_dcp"]
 
@@ -74,7 +74,9 @@ def save_dcp(
     Values are written exactly: the parameters, AdamW's moments (as torch's per-parameter
     `exp_avg`, `exp_avg_sq`) and its count (as every parameter's `step`, a 0-d tensor stored
     once). Only the ranks at coordinate 0 on every replicate axis write tensors; module buffers
-    and the count come from rank 0. Atomic: a save that fails leaves nothing at `path` (nor
+    and the count come from rank 0. With tensor-parallel placements each rank of `tp` writes
+    its pieces as boxes of the full tensors (whole leaves from the ranks at coordinate 0 on it),
+    so the FSDP2 side reads full tensors of the model's own shapes. Atomic: a save that fails leaves nothing at `path` (nor
     changes what was there); a collective that returns on every rank once `path` is complete,
     or raises on every rank.
     """
@@ -92,8 +94,7 @@ def save_dcp(
         leaves, _, k = _adamw_of(state.opt_state)
         adam = leaves[k]
     groups = _param_groups(param_groups, layout, optim_key) if optim_key is not None else []
-    writers = shard_writers(mesh)
-    plan = {rank: _boxes(layout, adam, shard) for shard, rank in writers.items()}
+    plan = {rank: _boxes(layout, adam, writer, mesh.model_axes) for rank, writer in writers_of(layout, mesh).items()}
     plan[0] = plan.get(0, []) + _whole_items(layout, adam, state_dict_names(layout))
     mine = plan.get(mesh.rank, [])
 
@@ -157,10 +158,12 @@ class _Item(NamedTuple):
 
     leaf: int  # the leaf, or -1 for AdamW's count
     source: str  # "params", a moment's name ("exp_avg", ...), or "count"
-    offsets: tuple[int, ...]  # the box in the leaf
+    offsets: tuple[int, ...]  # the box in the (full) leaf
     sizes: tuple[int, ...]
     buffer: int  # the buffer whose shard holds it, or -1: a whole tensor
-    shard_offset: int  # where the box's elements start in that shard
+    shard_offset: int  # where the elements of the box of this rank's piece start in that shard
+    piece_box: tuple[int, ...] = ()  # that box's sizes, when a split leaf's item is a part of it
+    narrow: tuple[int, int, int] | None = None  # (dim, start, length): the part, along the split dimension
 
 
 def _moments(adam: Any) -> list[str]:
@@ -169,21 +172,45 @@ def _moments(adam: Any) -> list[str]:
     return [*ADAMW_STATE, *(["max_exp_avg_sq"] if adam.max_exp_avg_sq is not None else [])]
 
 
-def _boxes(layout: Layout, adam: Any, shard_index: int) -> list[_Item]:
-    """What the writer of shard `shard_index` stores: for each piece of a leaf in its shards, the
-    row blocks that tile it, for the parameter and each moment. Leaves with no elements are
-    stored whole (`_whole_items`)."""
+def _boxes(layout: Layout, adam: Any, writer: Writer, model_axes: tuple[str, ...]) -> list[_Item]:
+    """What `writer` stores: for each piece of a leaf in its shards (`_save.writer_pieces`: of this
+    rank's tensor-parallel piece of a split leaf), the row blocks that tile it, for the
+    parameter and each moment, as boxes of the full leaf (a box of a piece split with `chunks`
+    is one box per chunk it meets). Leaves with no elements are stored whole (`_whole_items`)."""
     out = []
-    for k, spec in enumerate(layout.buffers):
-        for piece in shard_pieces(spec, shard_index):
-            shape = tuple(layout.shapes[piece.leaf])
-            for source in ["params", *(_moments(adam) if spec.trainable else [])]:
-                position = piece.shard_offset
-                for box in flat_range_slices(shape, piece.leaf_offset, piece.leaf_offset + piece.length):
-                    offsets = tuple(s.start for s in box) + (0,) * (len(shape) - len(box))
-                    sizes = tuple(s.stop - s.start for s in box) + shape[len(box) :]
-                    out.append(_Item(piece.leaf, source, offsets, sizes, k, position))
-                    position += _numel(sizes)
+    for _, k, piece, _, _ in writer_pieces(layout, [], writer, model_axes):
+        spec = layout.buffers[k]
+        shape = tuple(layout.shapes[piece.leaf])
+        for source in ["params", *(_moments(adam) if spec.trainable else [])]:
+            position = piece.shard_offset
+            for box in flat_range_slices(shape, piece.leaf_offset, piece.leaf_offset + piece.length):
+                offsets = tuple(s.start for s in box) + (0,) * (len(shape) - len(box))
+                sizes = tuple(s.stop - s.start for s in box) + shape[len(box) :]
+                out += _in_full_leaf(layout, piece.leaf, writer.coordinates, source, offsets, sizes, k, position)
+                position += _numel(sizes)
+    return out
+
+
+def _in_full_leaf(layout: Layout, leaf: int, coordinates, source: str, offsets, sizes, k: int, position: int) -> list[_Item]:
+    """The box `offsets`/`sizes` of the piece of `leaf` held at `coordinates`, as items over
+    the full leaf: itself for a leaf held whole; shifted along the split dimension by the
+    piece's place, and cut at the chunks' edges (`Split(chunks=...)`), for a split one."""
+    placement = layout.placement(leaf)
+    if placement is None:
+        return [_Item(leaf, source, offsets, sizes, k, position)]
+    dim, chunks = placement.dim, placement.chunks
+    per = layout.shapes[leaf][dim] // chunks  # a chunk's rows in the piece
+    block = layout.full_shape(leaf)[dim] // chunks  # a chunk's rows in the full leaf
+    index = coordinates[placement.axis]
+    lo, hi = offsets[dim], offsets[dim] + sizes[dim]
+    out = []
+    for c in range(chunks):
+        a, b = max(lo, c * per), min(hi, (c + 1) * per)
+        if a < b:
+            full_offsets = (*offsets[:dim], c * block + index * per + (a - c * per), *offsets[dim + 1 :])
+            part = (*sizes[:dim], b - a, *sizes[dim + 1 :])
+            narrow = None if (a, b) == (lo, hi) else (dim, a - lo, b - a)
+            out.append(_Item(leaf, source, full_offsets, part, k, position, tuple(sizes), narrow))
     return out
 
 
@@ -191,7 +218,8 @@ def _whole_items(layout: Layout, adam: Any, names: list[tuple[str, ...]]) -> lis
     """Rank 0's whole tensors: module buffers (but non-persistent ones, which no state dict
     holds), leaves with no elements, AdamW's count."""
     out = []
-    for i, shape in enumerate(layout.shapes):
+    for i in range(len(layout.paths)):
+        shape = layout.full_shape(i)
         if (i in layout.local and names[i]) or (i not in layout.local and _numel(tuple(shape)) == 0):
             trainable = i not in layout.local and any(spec.trainable and i in spec.leaves for spec in layout.buffers)
             for source in ["params", *(_moments(adam) if trainable else [])]:
@@ -213,8 +241,11 @@ def _value(state: StepState, adam: Any, item: _Item) -> torch.Tensor:
         return torch.empty(item.sizes, dtype=dtype)
     spec = layout.buffers[item.buffer]
     shard = state.params.shards[item.buffer] if item.source == "params" else getattr(adam, item.source)[spec.name]
-    part = shard.detach()[item.shard_offset : item.shard_offset + _numel(item.sizes)]
-    return part.to("cpu", copy=True).view(item.sizes)
+    box = item.piece_box or item.sizes
+    part = shard.detach()[item.shard_offset : item.shard_offset + _numel(box)].view(box)
+    if item.narrow is not None:
+        part = part.narrow(*item.narrow)
+    return part.to("cpu", copy=True).contiguous()
 
 
 def _moment_dtype(layout: Layout, adam: Any, item: _Item) -> torch.dtype:
@@ -289,7 +320,8 @@ def _metadata(layout, adam, plan, sizes, groups, model_key, optim_key) -> bytes:
                 offset += length
     names = state_dict_names(layout)
     tensors = []
-    for i, shape in enumerate(layout.shapes):
+    for i in range(len(layout.paths)):
+        shape = layout.full_shape(i)
         for name in names[i]:
             key, path = (name, (name,)) if model_key is None else (f"{model_key}.{name}", (model_key, name))
             tensors.append(PlannedTensor(key, path, tuple(shape), layout.dtypes[i], where[i, "params"]))
@@ -301,7 +333,7 @@ def _metadata(layout, adam, plan, sizes, groups, model_key, optim_key) -> bytes:
                     for source in _moments(adam):
                         tensors.append(PlannedTensor(
                             f"{optim_key}.state.{fqn}.{source}", (optim_key, "state", fqn, source),
-                            tuple(layout.shapes[i]), getattr(adam, source)[spec.name].dtype, where[i, source],
+                            tuple(layout.full_shape(i)), getattr(adam, source)[spec.name].dtype, where[i, source],
                         ))  # fmt: skip
                     key, path = f"{optim_key}.state.{fqn}.step", (optim_key, "state", fqn, "step")
                     tensors.append(PlannedTensor(key, path, (), adam.count.dtype, where[-1, "count"]))

@@ -79,7 +79,7 @@ def save(path: str | os.PathLike, state: StepState, *, overwrite: bool = False) 
     slots, structure = optimizer_slots(state.opt_state, layout)
     path = Path(os.path.abspath(path))
     mesh.check_same("the checkpoint's path and contents", f"{path}|{layout.signature()}|{structure}")
-    writers = _writers(layout, mesh)
+    writers = writers_of(layout, mesh)
 
     # Rank 0 picks the directory to write into and writes the index there first, so that an
     # interrupted save can always say which files it lacks.
@@ -169,17 +169,6 @@ def _json(index: dict) -> bytes:
     return json.dumps(index, indent=1).encode()
 
 
-def shard_writers(mesh: BaseMesh) -> dict[int, int]:
-    """Shard index -> the rank that writes it (for a layout with no tensor-parallel split): the
-    one at coordinate 0 on every replicate axis and every model-parallel axis."""
-    writers = {}
-    for rank in range(mesh.world_size):
-        coordinates = _coordinates(mesh, rank)
-        if all(coordinates[axis] == 0 for axis in (*mesh.replicate_axes, *mesh.model_axes)):
-            writers[coordinates[mesh.shard_axis] if mesh.shard_axis is not None else 0] = rank
-    return writers
-
-
 class Writer(NamedTuple):
     """A rank that writes chunks, and where it sits."""
 
@@ -187,16 +176,16 @@ class Writer(NamedTuple):
     coordinates: dict[str, int]  # its coordinate on every mesh axis
 
 
-def _writers(layout: Layout, mesh: BaseMesh) -> dict[int, Writer]:
+def writers_of(layout: Layout, mesh: BaseMesh) -> dict[int, Writer]:
     """Rank -> `Writer`, for every rank that writes a file: rank 0, and each rank at coordinate 0
-    on every replicate axis that holds a chunk no other such rank writes (see `_pieces`)."""
+    on every replicate axis that holds a chunk no other such rank writes (see `writer_pieces`)."""
     out = {}
     for rank in range(mesh.world_size):
         coordinates = _coordinates(mesh, rank)
         if any(coordinates[axis] != 0 for axis in mesh.replicate_axes):
             continue
         writer = Writer(coordinates[mesh.shard_axis] if mesh.shard_axis is not None else 0, coordinates)
-        if rank == 0 or next(_pieces(layout, [], writer, mesh.model_axes), None) is not None:
+        if rank == 0 or next(writer_pieces(layout, [], writer, mesh.model_axes), None) is not None:
             out[rank] = writer
     return out
 
@@ -207,7 +196,7 @@ def _version(entries) -> int:
     return VERSION if any(entry.split is not None for entry in entries) else 2
 
 
-def _pieces(
+def writer_pieces(
     layout: Layout, slots: list[OptimizerSlot], writer: Writer, model_axes: tuple[str, ...]
 ) -> Iterator[tuple[str, int, Piece, int, OptimizerSlot | None]]:
     """(key, buffer position, piece, where the piece starts in the stored leaf, optimizer slot or
@@ -245,7 +234,7 @@ def _rank_tensors(state: StepState, slots: list[OptimizerSlot], writer: Writer, 
     """This rank's chunks (fresh CPU copies: safetensors refuses tensors that share memory)."""
     sharded = state.params
     tensors = {}
-    for key, k, piece, start, slot in _pieces(sharded.layout, slots, writer, sharded.mesh.model_axes):
+    for key, k, piece, start, slot in writer_pieces(sharded.layout, slots, writer, sharded.mesh.model_axes):
         spec = sharded.layout.buffers[k]
         shard = sharded.shards[k] if slot is None else slot.value[spec.name]
         tensors[_chunk_name(key, start)] = shard.detach()[piece.shard_offset : piece.shard_offset + piece.length].to("cpu", copy=True)
@@ -264,7 +253,7 @@ def _index(state: StepState, slots: list[OptimizerSlot], structure: str, writers
     chunks: dict[str, list[list]] = {entry.key: [] for entry in entries}
     for rank, writer in writers.items():
         file = rank_file(rank)
-        for key, _, piece, start, _ in _pieces(layout, slots, writer, mesh.model_axes):
+        for key, _, piece, start, _ in writer_pieces(layout, slots, writer, mesh.model_axes):
             chunks[key].append([file, _chunk_name(key, start), start, piece.length])
     for key, tensor in _whole(state, slots):
         if tensor.numel():
