@@ -299,7 +299,7 @@ def lower_for_mesh(gm: fx.GraphModule, mesh, *, in_place: bool = False) -> None:
         gather_casts_in_place(gm, mesh.shard_index)
         free_sent_and_received(gm)
     if in_place:
-        from .analysis._memory import memory_timeline  # analysis reads schedules: imported late
+        from .schedule._liveness import memory_timeline
 
         gradients_in_place(gm, memory_timeline)
 

@@ -10,8 +10,10 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from .. import schedule as schedule_lib
+from ..schedule._axes import GroupAxis, collective_axis
 from ._costs import node_cost
 from ._memory import MemoryEstimate, estimate_memory
+from ._labels import serving_unit
 from ._regions import NodeRoles, node_roles
 
 __all__ = ["UnitCost", "CollectiveCost", "Analysis", "analyze"]
@@ -36,13 +38,15 @@ class CollectiveCost(NamedTuple):
     """One collective of the step."""
 
     kind: str  # "all_gather" | "reduce_scatter" | "all_reduce"
-    unit: str  # the unit it moves ("" for the loss all-reduce; "a+b" for a bucket)
-    buffer: str  # the flat buffer(s) it moves
+    unit: str  # the unit it moves ("a+b" for a bucket); for one that moves no buffer (a tensor-parallel
+    # all-reduce of activations), the unit whose computation it serves; "" for the loss's all-reduce
+    buffer: str  # the flat buffer(s) it moves ("" for activations and scalars)
     phase: str  # "forward" | "backward" | "update"
-    nbytes: int  # bytes of the full (unsharded, padded) buffer
-    group_size: int  # ranks taking part
+    nbytes: int  # bytes of the full buffer: the all-gather's output, the reduce-scatter's and all-reduce's input
+    group_size: int  # ranks taking part (0: unknown)
     issue: str  # name of the node that issues it
     wait: str  # name of the node that waits for it
+    axis: str = ""  # the mesh axis its group spans: "fsdp", "tp", ...; "world" for every axis; "" unknown
 
 
 class Analysis(NamedTuple):
@@ -57,6 +61,15 @@ class Analysis(NamedTuple):
     memory: MemoryEstimate  # predicted peak memory per rank, with its breakdown and timeline
     num_nodes: int  # nodes of the graph
     ops: int = 0  # total elementwise arithmetic of the step on this rank (`UnitCost.*_ops`)
+
+    def bytes_per_axis(self) -> dict:
+        """Bytes of the step's collectives per mesh axis and kind: `{axis: {kind: bytes}}`
+        (`CollectiveCost.nbytes` summed; "world" for collectives over every axis at once)."""
+        out: dict = {}
+        for c in self.collectives:
+            per_kind = out.setdefault(c.axis, {})
+            per_kind[c.kind] = per_kind.get(c.kind, 0) + c.nbytes
+        return out
 
     def fits(self, bytes_per_device: int) -> bool:
         """Whether the predicted peak stays within `bytes_per_device`."""
@@ -75,13 +88,18 @@ class Analysis(NamedTuple):
             "elementwise operations per rank: " + ", ".join(f"{p} {n / 1e9:.3f} G" for p, n in zip(("forward", "backward", "update"), ops)),
             f"per step: all-gather {self.all_gather_bytes / gib:.3f} GiB, reduce-scatter "
             f"{self.reduce_scatter_bytes / gib:.3f} GiB, all-reduce {self.all_reduce_bytes / gib:.6f} GiB",
+            *(
+                f"  over {axis or 'an unknown group'}: "
+                + ", ".join(f"{kind.replace('_', '-')} {n / gib:.6f} GiB" for kind, n in kinds.items())
+                for axis, kinds in self.bytes_per_axis().items()
+            ),
             f"peak memory per rank {self.memory.peak / gib:.3f} GiB at {self.memory.peak_node}: "
             + ", ".join(f"{name} {value / gib:.3f}" for name, value in self.memory.breakdown._asdict().items()),
         ]
         return "\n".join(lines)
 
 
-def analyze(compiled, *, roles: NodeRoles | None = None) -> Analysis:
+def analyze(compiled, *, roles: NodeRoles | None = None, mesh=None) -> Analysis:
     """FLOPs, collective bytes and peak memory of a traced step, without running it.
 
     Arguments:
@@ -89,6 +107,9 @@ def analyze(compiled, *, roles: NodeRoles | None = None) -> Analysis:
             graph may hold fake tensors of any size: only shapes and dtypes are read.
         roles: `node_roles(compiled.graph_module)` if already computed (it is what takes time
             on large graphs).
+        mesh: the `fs.Mesh` the step runs on, to name the axis of each collective whose group
+            is torch's (optional: an `AbstractMesh`'s graph names its axes itself, and a live
+            process group is found by its name).
 
     Returns an `Analysis` for one rank (every rank runs the same graph, up to batch shapes).
     """
@@ -109,19 +130,23 @@ def analyze(compiled, *, roles: NodeRoles | None = None) -> Analysis:
     units = [u for u in dict.fromkeys(order + list(costs)) if u in costs and u != ""]
     if "" in costs:
         units.append("")
-    collectives = tuple(
-        CollectiveCost(
-            kind=c.kind,
-            unit=c.unit,
-            buffer=c.buffer,
-            phase=c.phase,
-            nbytes=c.nbytes,
-            group_size=_group_size(c),
-            issue=c.issue.name,
-            wait=c.wait.name,
+    collectives = []
+    for c in schedule_lib.collectives(gm):
+        group = collective_axis(c.issue, mesh)
+        collectives.append(
+            CollectiveCost(
+                kind=c.kind,
+                unit=c.unit or serving_unit(c.issue, roles),
+                buffer=c.buffer,
+                phase=c.phase,
+                nbytes=c.nbytes,
+                group_size=_group_size(c, group),
+                issue=c.issue.name,
+                wait=c.wait.name,
+                axis=group.axis,
+            )
         )
-        for c in schedule_lib.collectives(gm)
-    )
+    collectives = tuple(collectives)
     return Analysis(
         units=tuple(UnitCost(u, *costs[u]) for u in units),
         collectives=collectives,
@@ -135,9 +160,12 @@ def analyze(compiled, *, roles: NodeRoles | None = None) -> Analysis:
     )
 
 
-def _group_size(c) -> int:
-    """Ranks in a collective's group, from its arguments (all_gather / reduce_scatter: group
-    size; all_to_all: its number of splits; all_reduce: not in the op, reported as 0)."""
+def _group_size(c, group: GroupAxis) -> int:
+    """Ranks in a collective's group: its axis's size when known, else from its arguments
+    (all_gather / reduce_scatter: group size; all_to_all: its number of splits; all_reduce:
+    not in the op, reported as 0)."""
+    if group.size:
+        return group.size
     args = c.issue.args
     if c.kind == "all_gather":
         return int(args[1])

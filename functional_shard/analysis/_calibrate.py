@@ -329,7 +329,8 @@ def _step_overhead(mesh, repeat: int) -> float:
 
     device = getattr(mesh, "device", torch.device("cpu"))
     clock = _clock(device)
-    step = sharded_step(lambda p, x: (p["w"] * x).sum(), mesh, optimizer=sgd(lr=0.1))
+    # No rule splits "w": whole on every rank of a tensor-parallel axis (placements are required there).
+    step = sharded_step(lambda p, x: (p["w"] * x).sum(), mesh, optimizer=sgd(lr=0.1), placements=())
     state = step.init({"w": torch.ones(64, device=device)})
     x = torch.ones(64, device=device)
     state, _ = step(state, x)  # traces

@@ -173,27 +173,31 @@ class Machine:
             seconds = max(seconds, flops / rate)
         return max(self.op_overhead_s, seconds)
 
-    def collective_seconds(self, kind: str, nbytes: int, group_size: int) -> float:
-        """The time of one collective moving a full buffer of `nbytes` over `group_size` ranks.
+    def collective_seconds(self, kind: str, nbytes: int, group_size: int, *, stride: int = 1) -> float:
+        """The time of one collective moving a full buffer of `nbytes` over `group_size` ranks
+        whose global ranks are `stride` apart (1: neighbours, e.g. a mesh's last axis; a
+        `{"fsdp": 64, "tp": 8}` mesh's fsdp groups have stride 8: one rank per node of 8).
 
-        Within a node (or with `ranks_per_node` 0) a ring: `latency + (p - 1) / p * n /
-        bandwidth`, twice the bytes for an all-reduce. A group of `p = g * m` ranks over `m`
-        nodes of `g` (the group's ranks taken node by node) is priced as the two-level ring:
-        within each node over NVLink, `(g - 1) / g * n / bandwidth`, plus between nodes, where
-        each of the node's `g` ranks carries `1 / g` of the data over its own NIC (NCCL's
-        channels, one per NIC on a rail-optimized network): `(m - 1) / m * n / (g *
-        network_bandwidth)`; latency `latency + network_latency_s * log2(m)`.
+        Nodes hold consecutive ranks, `ranks_per_node` each, so `g = ranks_per_node // stride`
+        of the group's ranks share a node (at least 1, at most `group_size`), over `m =
+        group_size / g` nodes. Within one node (or with `ranks_per_node` 0) a ring: `latency +
+        (p - 1) / p * n / bandwidth`, twice the bytes for an all-reduce. Over `m` nodes the
+        two-level ring: within each node over NVLink, `(g - 1) / g * n / bandwidth`, plus
+        between nodes, where each of the node's `g` ranks carries `1 / g` of the data over its
+        own NIC (NCCL's channels, one per NIC on a rail-optimized network): `(m - 1) / m * n /
+        (g * network_bandwidth)`; latency `latency + network_latency_s * log2(m)`.
         """
         latency = self.collective_latency_s[kind]
         if group_size <= 1:
             return latency
         factor = 2 if kind == "all_reduce" else 1
         per_node = self.ranks_per_node
-        if not per_node or group_size <= per_node:
+        local = max(1, min(group_size, per_node // max(stride, 1))) if per_node else group_size
+        if local >= group_size:
             return latency + factor * (group_size - 1) / group_size * nbytes / self.collective_bandwidth[kind]
-        nodes = math.ceil(group_size / per_node)
-        within = (per_node - 1) / per_node * nbytes / self.collective_bandwidth[kind]
-        between = (nodes - 1) / nodes * nbytes / (per_node * self.network_bandwidth)
+        nodes = math.ceil(group_size / local)
+        within = (local - 1) / local * nbytes / self.collective_bandwidth[kind]
+        between = (nodes - 1) / nodes * nbytes / (local * self.network_bandwidth)
         return latency + self.network_latency_s * math.log2(nodes) + factor * (within + between)
 
     def to_json(self) -> str:

@@ -38,8 +38,9 @@ class Measurement(NamedTuple):
 
 
 def with_schedule(step: ShardedStep, schedule) -> ShardedStep:
-    """A step like `step` (loss, mesh, optimizer, units, precision, donation, micro-batches)
-    with another `fs.Schedule`."""
+    """A step like `step` (loss, mesh, optimizer, units, precision, donation, micro-batches,
+    what it does with a gradient that is not finite, tensor-parallel placements) with another
+    `fs.Schedule`."""
     return sharded_step(
         step.loss_fn,
         step.mesh,
@@ -50,6 +51,8 @@ def with_schedule(step: ShardedStep, schedule) -> ShardedStep:
         donate=step.donate,
         precision=step.precision,
         microbatches=step.microbatches,
+        nonfinite=step.nonfinite,
+        placements=step.placements,
     )
 
 

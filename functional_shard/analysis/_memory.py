@@ -1,4 +1,5 @@
-"""Peak memory of a scheduled step, from the lifetimes of its tensors' storages.
+"""Peak memory of a scheduled step, from the lifetimes of its tensors' storages
+(`schedule._liveness`, which the schedule's memory-guided passes read too), by category.
 
 A traced step runs its graph node by node, and the generated code drops each value right after
 its last use; a storage is freed when the last of its aliases (views, splits, in-place results,
@@ -20,15 +21,14 @@ communication library's buffers.
 
 from __future__ import annotations
 
-import operator
 from typing import NamedTuple
 
 import torch
 from torch import fx
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..schedule._graph import pre_collective_cast
-from ._costs import COLLECTIVE_OPS, is_view, tensors_of
+from ..schedule._liveness import lifetimes, memory_timeline, timeline_of  # noqa: F401 - memory_timeline: re-exported
+from ._costs import COLLECTIVE_OPS
 from ._regions import GRADIENT_PLUMBING, NodeRoles, gradient_sources
 
 __all__ = ["MemoryBreakdown", "MemoryEstimate", "estimate_memory", "memory_timeline", "CATEGORIES"]
@@ -63,53 +63,8 @@ class MemoryEstimate(NamedTuple):
     breakdown: MemoryBreakdown  # the peak, by category
     resident: int  # bytes alive before the first node runs (the step's inputs)
     timeline: tuple  # bytes alive while each node runs, in graph order
-
-
-def _storages(node: fx.Node, storage_of: dict) -> list | None:
-    """The storages `node`'s outputs alias, or None when it allocates new ones.
-
-    Read from the graph, not from the fake tensors' storages: a schedule pass that copies
-    nodes (the re-gather for the backward) copies their `meta["val"]` too, so a copy's fake
-    value shares the original's storage although at run time it has its own."""
-    if node.op != "call_function":
-        return None
-    if node.target is _C10D.wait_tensor.default:
-        # wait_tensor hands back the buffer its collective allocated when it was issued.
-        return list(storage_of.get(node.args[0], []))
-    if node.target is operator.getitem:
-        source, index = node.args
-        keys = storage_of.get(source, [])
-        if is_view(source):  # split and friends: every piece is a view of the input
-            return list(keys[:1])
-        return [keys[index]] if isinstance(index, int) and index < len(keys) else []
-    if is_view(node):  # view ops alias their first tensor argument (`self`)
-        source = next((a for a in node.args if isinstance(a, fx.Node)), None)
-        return list(storage_of.get(source, [])[:1]) if source is not None else []
-    schema = getattr(node.target, "_schema", None)
-    if schema is not None:  # in-place and out= ops return the argument they write
-        aliased = [r.alias_info for r in schema.returns if r.alias_info is not None]
-        if aliased:
-            sets = set().union(*(a.before_set for a in aliased))
-            for argument, value in zip(schema.arguments, node.args):
-                if argument.alias_info is not None and argument.alias_info.before_set & sets and isinstance(value, fx.Node):
-                    return list(storage_of.get(value, [])[:1])
-    # Ops that return a view without saying so in their schema (`_unsafe_view`): the output's
-    # fake storage is one of its inputs'.
-    outputs = tensors_of(node.meta.get("val"))
-    if len(outputs) == 1:
-        mine = StorageWeakRef(outputs[0].untyped_storage())
-        for source in node.all_input_nodes:
-            for t, key in zip(tensors_of(source.meta.get("val")), storage_of.get(source, [])):
-                if StorageWeakRef(t.untyped_storage()) == mine:
-                    return [key]
-    return None
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    try:
-        return int(t.untyped_storage().nbytes())
-    except (RuntimeError, NotImplementedError):  # tensors without a storage (e.g. some subclasses)
-        return t.numel() * t.element_size()
+    resident_breakdown: MemoryBreakdown | None = None  # `resident` by category: this rank's parameter
+    # shards and pieces, its optimizer state (and scalars), its batch; what MemTracker sees before the step
 
 
 def estimate_memory(gm: fx.GraphModule, roles: NodeRoles, io) -> MemoryEstimate:
@@ -122,16 +77,20 @@ def estimate_memory(gm: fx.GraphModule, roles: NodeRoles, io) -> MemoryEstimate:
             state, scalars and batch.
     """
     nodes = list(gm.graph.nodes)
-    storage_of, first, last, size, root = _lifetimes(nodes)
+    storage_of, first, last, size, root = lifetimes(nodes)
     category = _categories(nodes, storage_of, root, roles, io)
     per_category = {c: [0] * (len(nodes) + 1) for c in CATEGORIES}
     for key, start in first.items():
         per_category[category[key]][start] += size[key]
         per_category[category[key]][last[key] + 1] -= size[key]
-    timeline = _timeline(len(nodes), first, last, size)
+    timeline = timeline_of(len(nodes), first, last, size)
     peak_position = max(range(len(nodes)), key=timeline.__getitem__) if nodes else 0
     breakdown = MemoryBreakdown(**{c: sum(per_category[c][: peak_position + 1]) for c in CATEGORIES})
-    resident = sum(size[k] for k in first if root[k].op == "placeholder")
+    inputs = [k for k in first if root[k].op == "placeholder"]
+    resident = sum(size[k] for k in inputs)
+    by_category = {c: 0 for c in CATEGORIES}
+    for k in inputs:
+        by_category[category[k]] += size[k]
     return MemoryEstimate(
         peak=timeline[peak_position] if nodes else 0,
         peak_node=nodes[peak_position].name if nodes else "",
@@ -139,63 +98,8 @@ def estimate_memory(gm: fx.GraphModule, roles: NodeRoles, io) -> MemoryEstimate:
         breakdown=breakdown,
         resident=resident,
         timeline=tuple(timeline),
+        resident_breakdown=MemoryBreakdown(**by_category),
     )
-
-
-def memory_timeline(gm: fx.GraphModule) -> list[int]:
-    """Bytes alive at each node of `gm`, in graph order (the timeline `estimate_memory`
-    takes its peak from, without the breakdown by category, which needs `node_roles`)."""
-    nodes = list(gm.graph.nodes)
-    _, first, last, size, _ = _lifetimes(nodes)
-    return _timeline(len(nodes), first, last, size)
-
-
-def _timeline(n: int, first: dict, last: dict, size: dict) -> list[int]:
-    deltas = [0] * (n + 1)
-    for key, start in first.items():
-        deltas[start] += size[key]
-        deltas[last[key] + 1] -= size[key]
-    timeline, alive = [], 0
-    for i in range(n):
-        alive += deltas[i]
-        timeline.append(alive)
-    return timeline
-
-
-def _lifetimes(nodes: list) -> tuple[dict, dict, dict, dict, dict]:
-    """For each storage (key): the position of its first and last node, its bytes and the node
-    that allocated it; and for each node the keys of the storages its outputs alias."""
-    end = len(nodes) - 1
-    storage_of: dict[fx.Node, list] = {}
-    first: dict = {}
-    last: dict = {}
-    size: dict = {}
-    root: dict = {}
-    for i, node in enumerate(nodes):
-        keys = _storages(node, storage_of)
-        if keys is None:  # a new storage per tensor output
-            keys = []
-            for index, t in enumerate(tensors_of(node.meta.get("val"))):
-                key = (node, index)
-                keys.append(key)
-                first[key], size[key], root[key] = i, _nbytes(t), node
-        storage_of[node] = keys
-        for key in keys:
-            last[key] = max(last.get(key, i), i)
-        for source in node.all_input_nodes:
-            for key in storage_of.get(source, []):
-                last[key] = max(last[key], end if node.op == "output" else i)
-        if node.target is _C10D.wait_tensor.default and isinstance(node.args[0], fx.Node):
-            # The collective's work holds its input until it is waited for (gloo keeps the
-            # tensors it sends from): e.g. a mixed-precision cast shard, a full gradient.
-            for source in node.args[0].all_input_nodes:
-                for key in storage_of.get(source, []):
-                    last[key] = max(last[key], i)
-    for node in nodes:
-        if node.op == "placeholder":
-            for key in storage_of[node]:
-                first[key], last[key] = 0, end
-    return storage_of, first, last, size, root
 
 
 def _categories(nodes: list, storage_of: dict, root: dict, roles: NodeRoles, io) -> dict:

@@ -4,9 +4,11 @@ A traced step is one flat graph; the schedule's labels sit on the collectives on
 is read from the graph's structure, with the public tools of `fs.schedule`:
 
 - phase: nodes up to the node marked as the end of the forward pass (`meta["fs_forward_end"]`)
-  are forward; after it, nodes that read the result of a reduce-scatter or of the loss's
-  all-reduce (directly or through other nodes) are the update (the optimizer reads the
-  reduced gradients; the backward never does); the rest is backward.
+  are forward; after it, nodes that read the result of a parameter buffer's reduce-scatter or
+  of the update's all-reduces (the loss's, the grad norm's), directly or through other nodes,
+  are the update (the optimizer reads the reduced gradients; the backward never does); the
+  rest is backward. A tensor-parallel collective of activations (no buffer) is part of the
+  forward or backward it sits in (`reduces_for_update`).
 - unit: a unit's *region* in a phase runs from the first to the last node that reads its
   gathered parameters there (through any view). A node takes the unit of the innermost
   region that contains it (a model whose first unit is also read at the end, as GPT's tied
@@ -25,7 +27,7 @@ from .. import schedule as schedule_lib
 from ..schedule._graph import ancestors
 from ._costs import is_view
 
-__all__ = ["Region", "NodeRoles", "node_roles", "gradient_sources", "GRADIENT_PLUMBING"]
+__all__ = ["Region", "NodeRoles", "node_roles", "gradient_sources", "reduces_for_update", "GRADIENT_PLUMBING"]
 
 PHASES = ("forward", "backward", "update")
 _LOCAL_SUM = (torch.ops.aten.view.default, torch.ops.aten.sum.dim_IntList)
@@ -69,6 +71,16 @@ def gradient_sources(issue: fx.Node) -> list[fx.Node]:
     return list(found)
 
 
+def reduces_for_update(c) -> bool:
+    """Whether the optimizer reads collective `c`'s result: a reduce-scatter of a parameter
+    buffer's gradient, or an all-reduce of the update phase (the loss, the grad norm). Not the
+    collectives of activations inside the forward and backward (tensor parallelism's
+    all-reduces and reduce-scatters, which move no buffer) nor the sum of a `WeightedLoss`'s
+    weights between the forward and the backward (it seeds the backward): what reads those is
+    still the forward or the backward."""
+    return (c.kind == "reduce_scatter" and bool(c.buffer)) or (c.kind == "all_reduce" and c.phase == "update")
+
+
 def _forward_end(gm: fx.GraphModule, position: dict) -> int:
     marked = [position[n] for n in gm.graph.nodes if n.meta.get("fs_forward_end")]
     if not marked:
@@ -90,7 +102,7 @@ def node_roles(gm: fx.GraphModule) -> NodeRoles:
     update_root_unit: dict[fx.Node, str] = {}
     local_sum: dict[fx.Node, str] = {}
     for c in collectives:
-        if c.kind in ("reduce_scatter", "all_reduce"):
+        if reduces_for_update(c):
             root = c.wait
             # On gloo a reduce-scatter ends with a local sum of the received slices (view, sum):
             # part of the collective's work in the backward, not of the optimizer.

@@ -9,7 +9,12 @@ The graph is walked in its order, as the step runs it:
 - a collective's issue costs the compute stream `issue_overhead_s` plus
   `issue_seconds_per_byte` × its bytes, and queues the collective
   on the communication stream, which runs one collective at a time in issue order (what the
-  schedules guarantee: one collective in flight) for `machine.collective_seconds(...)`;
+  schedules guarantee: one collective in flight) for `machine.collective_seconds(...)`, on
+  the group of the mesh axis it spans (its size, and its stride: a `tp` group of a
+  `{"fsdp": 64, "tp": 8}` mesh lies in one node, NVLink; each `fsdp` group spans 64 nodes);
+  a tensor-parallel collective (on a model-parallel axis: activations, no buffer) has a
+  stream of its own per axis, as NCCL gives each communicator its own stream, so it never
+  queues behind FSDP's prefetched gathers;
 - a wait blocks the compute stream until its collective has finished: the blocked time is
   the step's exposed communication;
 - while a collective is in flight, computation loses `overlap_penalty` of the overlapping
@@ -35,6 +40,7 @@ from torch import fx
 from .. import schedule as schedule_lib
 from ..schedule._remat import written_inputs
 from ._costs import COLLECTIVE_OPS, node_cost, tensors_of
+from ._labels import name_collective
 from ._machine import Machine
 from ._memory import MemoryEstimate, estimate_memory
 from ._regions import node_roles
@@ -60,23 +66,28 @@ class Simulation(NamedTuple):
         return Profile((self.timeline,), (self.step_s * 1e6,), self.step_s, self.step_s, 0.0, 0)
 
 
-def simulate(compiled, machine: Machine, *, world_size: int | None = None) -> Simulation:
+def simulate(compiled, machine: Machine, *, world_size: int | None = None, mesh=None) -> Simulation:
     """Predict the step time, timeline and peak memory of a traced step on `machine`.
 
     Arguments:
         compiled: a `CompiledStep` (`step.lower(state, batch)`), for a real or an abstract mesh.
         machine: a `Machine` (`fs.analysis.calibrate(mesh)`, `load_machine`, `h100_sxm()`).
-        world_size: ranks of the collectives whose group size is not in the graph (all-reduce);
-            default: the shard count of the step's layout.
+        world_size: ranks of the collectives whose group is unknown and whose size is not in
+            the graph (an all-reduce on a group the analysis cannot name); default: the shard
+            count of the step's layout.
+        mesh: the `fs.Mesh` the step runs on, to name each collective's axis when its group is
+            torch's (optional: an `AbstractMesh`'s graph names its axes itself).
     """
     gm = compiled.graph_module
     roles = node_roles(gm)
     world = world_size or compiled.key.layout.num_shards
     collectives = {c.issue: c for c in schedule_lib.collectives(gm)}
     waits = {c.wait: c for c in collectives.values()}
+    names = {issue: name_collective(c, roles, mesh) for issue, c in collectives.items()}
     finish: dict = {}
     t = machine.step_overhead_s  # compute stream
-    comm_free = 0.0  # communication stream
+    streams: dict[str, float] = {}  # communication stream ("" for the data axes', one per model axis) -> free at
+    comm_free = 0.0  # the latest any stream is busy to (computation overlapping it pays the penalty)
     compute_s = exposed = comm_busy = 0.0
     phases = {"forward": 0.0, "backward": 0.0, "update": 0.0}
     events: list[TraceEvent] = []
@@ -91,20 +102,22 @@ def simulate(compiled, machine: Machine, *, world_size: int | None = None) -> Si
         cached = recency.visit(node, collectives, waits, costs)
         if node in collectives:
             c = collectives[node]
+            name = names[c.issue]
             t += machine.issue_overhead_s + machine.issue_seconds_per_byte * c.nbytes
-            group = world if c.kind == "all_reduce" else _group(c, world)
-            duration = machine.collective_seconds(c.kind, c.nbytes, group)
-            start = max(t, comm_free)
-            comm_free = finish[c.issue] = start + duration
+            group = name.group.size or (world if c.kind == "all_reduce" else _group(c, world))
+            duration = machine.collective_seconds(c.kind, c.nbytes, group, stride=name.group.stride or 1)
+            stream = name.group.axis if name.model_parallel else ""
+            start = max(t, streams.get(stream, 0.0))
+            streams[stream] = finish[c.issue] = start + duration
+            comm_free = max(comm_free, start + duration)
             comm_busy += duration
-            label = f"{c.kind} {c.unit or 'loss'}"
-            events.append(TraceEvent(label, "collective", COMMUNICATION, start * 1e6, duration * 1e6, c.unit, c.phase))
+            events.append(TraceEvent(name.label, "collective", COMMUNICATION, start * 1e6, duration * 1e6, name.unit, c.phase))
         elif node in waits:
             c = waits[node]
             blocked = max(0.0, finish[c.issue] - t)
             if blocked > 0:
-                label = f"wait {c.kind} {c.unit or 'loss'}"
-                events.append(TraceEvent(label, "wait", COMPUTE, t * 1e6, blocked * 1e6, c.unit, c.phase))
+                name = names[c.issue]
+                events.append(TraceEvent(f"wait {name.label}", "wait", COMPUTE, t * 1e6, blocked * 1e6, name.unit, c.phase))
             exposed += blocked
             t += blocked
         elif node in costs:

@@ -26,6 +26,7 @@ import torch
 from torch import fx
 
 from .. import schedule as schedule_lib
+from ._labels import name_collective
 from ._regions import NodeRoles, node_roles
 
 __all__ = ["TraceEvent", "Profile", "profile", "chrome_trace", "save_chrome_trace", "plot_gantt", "instrument"]
@@ -77,7 +78,7 @@ class _Mark(NamedTuple):
     key: tuple  # identifies the interval: (category, name, track, unit, phase)
 
 
-def _intervals(gm: fx.GraphModule, roles: NodeRoles) -> list[tuple[int, int, tuple, str]]:
+def _intervals(gm: fx.GraphModule, roles: NodeRoles, mesh=None) -> list[tuple[int, int, tuple, str]]:
     """(first position, last position, key, priority class) of every interval to mark."""
     position = roles.position
     out = []
@@ -105,17 +106,19 @@ def _intervals(gm: fx.GraphModule, roles: NodeRoles) -> list[tuple[int, int, tup
             kept.append([start, end])
             out.append((start, end, ("region", f"{r.unit} {r.phase}", COMPUTE, r.unit, r.phase), "region"))
     for c in schedule_lib.collectives(gm):
-        phase = c.phase if c.kind == "all_gather" else ("backward" if c.kind == "reduce_scatter" else "update")
-        label = f"{c.kind} {c.unit or 'loss'}"
+        # FSDP's by unit ("all_gather blocks.3"); tensor parallelism's by axis and the unit it
+        # serves ("tp all_reduce blocks.3"); the loss's "all_reduce loss".
+        label, unit, phase, _, _ = name_collective(c, roles, mesh)
         i, w = position[c.issue], position[c.wait]
-        out.append((i, i, ("issue", f"issue {label}", COMPUTE, c.unit, phase), "op"))
-        out.append((w, w, ("wait", f"wait {label}", COMPUTE, c.unit, phase), "op"))
-        out.append((i, w, ("collective", label, COMMUNICATION, c.unit, phase), "collective"))
+        out.append((i, i, ("issue", f"issue {label}", COMPUTE, unit, phase), "op"))
+        out.append((w, w, ("wait", f"wait {label}", COMPUTE, unit, phase), "op"))
+        out.append((i, w, ("collective", label, COMMUNICATION, unit, phase), "collective"))
     return out
 
 
-def instrument(compiled) -> tuple[fx.GraphModule, list]:
-    """A copy of `compiled.graph_module` with timing marks, and what each mark means.
+def instrument(compiled, mesh=None) -> tuple[fx.GraphModule, list]:
+    """A copy of `compiled.graph_module` with timing marks, and what each mark means (`mesh`:
+    the step's, to name the axis of each collective).
 
     Returns `(graph_module, marks)`: the copy calls a recorder (its `times`, through
     `graph_module.fs_recorder`) at every mark; `marks[i]` is `(kind, key)` for mark `i`, kind
@@ -124,7 +127,7 @@ def instrument(compiled) -> tuple[fx.GraphModule, list]:
     roles = node_roles(gm)
     nodes = list(gm.graph.nodes)
     marks: list[_Mark] = []
-    for start, end, key, klass in _intervals(gm, roles):
+    for start, end, key, klass in _intervals(gm, roles, mesh):
         if klass == "collective":
             # Issued right after the issue node returns; arrived once its wait returns.
             marks.append(_Mark(2 * start + 1, -1, "open", key))
@@ -132,7 +135,7 @@ def instrument(compiled) -> tuple[fx.GraphModule, list]:
             continue
         marks.append(_Mark(2 * start, _OPEN_PRIORITY[klass], "open", key))
         marks.append(_Mark(2 * end + 1, _CLOSE_PRIORITY[klass], "close", key))
-    events = [e for e in schedule_lib.analyze(gm) if e.event == "freed"]
+    events = [e for e in schedule_lib.analyze(gm) if e.event == "freed" and e.buffer]
     by_name = {n.name: n for n in nodes}
     for e in events:
         p = roles.position[by_name[e.node]]
@@ -186,7 +189,7 @@ def profile(step, state, batch, *, repeat: int = 3) -> Profile:
     """
     mesh = step.mesh
     compiled = step.lower(state, batch)
-    marked, marks = instrument(compiled)
+    marked, marks = instrument(compiled, mesh)
     recorder = marked.fs_recorder
     inputs = _flat_inputs(step, compiled, state, batch)
 
@@ -271,7 +274,8 @@ def save_chrome_trace(result: Profile, path: str) -> None:
 def plot_gantt(result: Profile, path: str, *, title: str = "") -> None:
     """A Gantt chart of the profile as a PNG: per rank a compute row (phases shaded, unit
     regions as bars) and a communication row (collectives in flight); the time compute spends
-    blocked in a wait — exposed communication — in red on the compute row."""
+    blocked in a wait — exposed communication — in red on the compute row. Tensor-parallel
+    collectives (`tp ...`) have a colour of their own, apart from FSDP's gathers and scatters."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -279,7 +283,7 @@ def plot_gantt(result: Profile, path: str, *, title: str = "") -> None:
     from matplotlib.patches import Patch
 
     colors = {"forward": "#4C72B0", "backward": "#55A868", "update": "#8172B2"}
-    kinds = {"all_gather": "#DD8452", "reduce_scatter": "#937860", "all_reduce": "#DA8BC3"}
+    kinds = {"all_gather": "#DD8452", "reduce_scatter": "#937860", "all_reduce": "#DA8BC3", "tp": "#8C8C8C"}
     n = len(result.ranks)
     fig, ax = plt.subplots(figsize=(13, 1.6 + 1.1 * n))
     yticks, ylabels = [], []
@@ -294,14 +298,14 @@ def plot_gantt(result: Profile, path: str, *, title: str = "") -> None:
             elif e.category == "wait":
                 ax.broken_barh([(ms, width)], (base + 1.55, 0.9), facecolors="#C44E52")
             elif e.category == "collective":
-                kind = e.name.split(" ")[0]
+                kind = "tp" if e.name.startswith("tp ") else e.name.split(" ")[0]
                 ax.broken_barh([(ms, width)], (base + 0.3, 0.9), facecolors=kinds.get(kind, "grey"), edgecolor="white", linewidth=0.3)
         yticks += [base + 0.75, base + 2.0]
         ylabels += [f"rank {rank} comm", f"rank {rank} compute"]
     ax.set_yticks(yticks, ylabels)
     ax.set_xlabel("time since the step started (ms)")
     handles = [Patch(color=c, label=p) for p, c in colors.items()] + [Patch(color="#C44E52", label="exposed communication (wait)")]
-    handles += [Patch(color=c, label=k.replace("_", "-")) for k, c in kinds.items()]
+    handles += [Patch(color=c, label="tensor parallel (tp)" if k == "tp" else k.replace("_", "-")) for k, c in kinds.items()]
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), ncol=1, fontsize=8, frameon=False)
     ax.set_title(title or f"profiled step: {result.marked_step_s * 1e3:.1f} ms marked, {result.plain_step_s * 1e3:.1f} ms plain")
     fig.tight_layout()

@@ -6,6 +6,7 @@ from typing import NamedTuple, Sequence
 
 from torch import fx
 
+from ._axes import collective_axis
 from ._graph import aliases, collectives, positions, uses
 from ._remat import recomputed_bytes, recomputed_units
 
@@ -23,6 +24,7 @@ class ScheduleEvent(NamedTuple):
     phase: str  # forward | backward | update
     node: str  # the graph node's name (for recomputed: the first recomputed node)
     nbytes: int  # bytes of the full (unsharded, padded) buffer this collective moves (recomputed: bytes the recomputed nodes allocate)
+    axis: str = ""  # the mesh axis its group spans ("fsdp", "tp", "world" for every axis; "" unknown or no collective)
 
 
 def analyze(gm: fx.GraphModule) -> list[ScheduleEvent]:
@@ -34,10 +36,11 @@ def analyze(gm: fx.GraphModule) -> list[ScheduleEvent]:
     events = []
     for c in collectives(gm):
         prefix = _PREFIX[c.kind]
+        axis = collective_axis(c.issue).axis
         for buffer, unit, root, nbytes in c.members():
 
             def event(kind: str, node: fx.Node) -> ScheduleEvent:
-                return ScheduleEvent(position[node], unit, buffer, kind, c.phase, node.name, nbytes)
+                return ScheduleEvent(position[node], unit, buffer, kind, c.phase, node.name, nbytes, axis)
 
             events.append(event(f"{prefix}_issued", c.issue))
             events.append(event(f"{prefix}_waited", c.wait))
@@ -52,10 +55,13 @@ def analyze(gm: fx.GraphModule) -> list[ScheduleEvent]:
 
 def max_units_alive(events: Sequence[ScheduleEvent]) -> int:
     """The most units whose full parameters are alive at once: a gathered buffer is alive from
-    its issue (its output is allocated then) to its last read."""
+    its issue (its output is allocated then) to its last read. Gathers of no parameter buffer
+    (tensor-parallel activations) are no unit's."""
     alive: dict[tuple[str, str, int], tuple[int, int]] = {}
     issued: dict[tuple[str, str], list[int]] = {}
     for e in events:
+        if not e.buffer:
+            continue
         key = (e.unit, e.buffer)
         if e.event == "gather_issued":
             issued.setdefault(key, []).append(e.position)
@@ -102,23 +108,38 @@ def rematerialized(events: Sequence[ScheduleEvent]) -> list[str]:
 
 
 def explain(events: Sequence[ScheduleEvent], *, title: str = "") -> str:
-    """A readable table of a schedule: one row per event, in graph order."""
+    """A readable table of a schedule: one row per event, in graph order. A collective that
+    moves no parameter buffer (a tensor-parallel all-reduce or gather of activations, the
+    loss's all-reduce) names its axis in the event, e.g. `tp all_reduce_issued`, and the last
+    lines count them per axis."""
     rows = [("pos", "phase", "event", "unit", "buffer", "MiB", "node")]
     for e in events:
-        rows.append((str(e.position), e.phase, e.event, e.unit, e.buffer, f"{e.nbytes / 2**20:.3f}", e.node))
+        event = f"{e.axis} {e.event}" if e.axis and not e.buffer and e.event != "recomputed" else e.event
+        rows.append((str(e.position), e.phase, event, e.unit, e.buffer, f"{e.nbytes / 2**20:.3f}", e.node))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = [title] if title else []
     for i, row in enumerate(rows):
         lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
         if i == 0:
             lines.append("  ".join("-" * w for w in widths))
-    gathered = sum(e.nbytes for e in events if e.event == "gather_issued")
-    scattered = sum(e.nbytes for e in events if e.event == "reduce_scatter_issued")
+    gathered = sum(e.nbytes for e in events if e.event == "gather_issued" and e.buffer)
+    scattered = sum(e.nbytes for e in events if e.event == "reduce_scatter_issued" and e.buffer)
     lines.append(
         f"all-gather {gathered / 2**20:.3f} MiB, reduce-scatter {scattered / 2**20:.3f} MiB per step; "
         f"at most {max_units_alive(events)} units' full parameters alive at once, "
         f"at most {max_in_flight(events)} collectives in flight"
     )
+    others: dict[tuple[str, str], list[int]] = {}
+    for e in events:
+        if not e.buffer and e.event.endswith("_issued"):
+            count = others.setdefault((e.axis or "?", e.event.removesuffix("_issued").replace("gather", "all_gather")), [0, 0])
+            count[0] += 1
+            count[1] += e.nbytes
+    if others:
+        lines.append(
+            "activations and scalars (no parameter buffer), per axis: "
+            + ", ".join(f"{axis} {kind} x{n} {b / 2**20:.3f} MiB" for (axis, kind), (n, b) in others.items())
+        )
     recomputed = rematerialized(events)
     if recomputed:
         lines.append(f"rematerialized (forward recomputed before the backward): {', '.join(recomputed)}")

@@ -103,7 +103,7 @@ def _fewest_units(update: early_update, gm: fx.GraphModule, context: PassContext
     moving every unit's (`early_update.guided`), the peak read from the graph as the step will
     run it on one rank (collectives dropped, `drop_collectives`), found by bisection over the
     number of units. Whatever count it returns has that peak (every unit's, if no fewer has)."""
-    from ..analysis._memory import memory_timeline  # analysis reads schedules: imported late
+    from ._liveness import memory_timeline
     from ._lower import drop_collectives
 
     def peak(count: int | None) -> int:
