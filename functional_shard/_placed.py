@@ -9,7 +9,8 @@ The rules are those of `fs.tensor_parallel` (`rule`, `hf_rules`, `gpt_rules`, or
 shape, the dimension and the axis: a split dimension not divisible by the axis size (or by whole
 heads), a rule that matches nothing, an axis the mesh does not have, a split of a module buffer
 or over a data-parallel axis. Ranks that resolved different placements (different plans) are
-told apart by the layout's signature, which the step compares across ranks before sharding.
+told apart by their layouts, which the step compares across ranks before sharding
+(`check_same_layout`: the message names the ranks and the first leaf they lay out differently).
 """
 
 from __future__ import annotations
@@ -19,13 +20,13 @@ from typing import Any, Sequence
 import torch
 
 from ._layout import Layout, make_layout
-from ._mesh import BaseMesh
+from ._mesh import BaseMesh, MeshError
 from ._pytree import tree_flatten, tree_paths, tree_unflatten
 from ._tree import BUFFER, leaf_roles
 from ._units import Units
 from .tensor_parallel._placement import PlacementError, Split, placements_for, split_tensor
 
-__all__ = ["resolve_placements", "place", "split_leaves"]
+__all__ = ["resolve_placements", "place", "split_leaves", "check_same_layout"]
 
 
 def resolve_placements(params: Any, rules: Any, mesh: BaseMesh) -> tuple | None:
@@ -96,3 +97,42 @@ def place(
         placements=placements,
         full_shapes=[tuple(leaf.shape) for leaf in leaves],
     )
+
+
+def layout_lines(layout: Layout) -> list[str]:
+    """What ranks must agree on, one line each: every leaf (path, its piece or whole shape and
+    placement, dtype, role), every buffer (leaves, gather and reduce dtypes), the shards and the
+    tree structure. Two ranks' lists are equal exactly when their `signature()`s are."""
+    lines = []
+    for i, path in enumerate(layout.paths):
+        placement, shape = layout.placement(i), list(layout.shapes[i])
+        full = list(layout.full_shape(i))
+        where = f"whole {shape}" if placement is None else f"piece {shape} of {full} by {placement!r}"
+        lines.append(f"leaf {path!r}: {where}, {str(layout.dtypes[i]).removeprefix('torch.')}, {layout.roles[i]}")
+    for b in layout.buffers:
+        lines.append(f"buffer {b.name!r}: leaves {list(b.leaves)}, in {b.gather_dtype} / {b.reduce_dtype}")
+    lines.append(f"{layout.num_shards} shard(s) of the tree {layout.treedef}")
+    return lines
+
+
+def check_same_layout(layout: Layout, mesh: BaseMesh) -> None:
+    """Raise `MeshError` on every rank unless every rank laid out the same tree the same way
+    (paths, shapes, dtypes, roles, units, placements). The message names the groups of ranks and
+    what each holds where they first differ: a leaf split on some ranks and whole on others
+    (plans that differ across ranks), a leaf of another shape. A collective: one small
+    all-gather when they agree."""
+    try:
+        mesh.check_same_sequence("the parameter pytree", layout_lines(layout))
+    except MeshError as error:
+        if not error.differences:
+            raise
+        groups: dict[str, list[int]] = {}
+        for rank, line in sorted(error.differences.items()):
+            groups.setdefault(line, []).append(rank)
+        held = "; ".join(f"ranks {ranks} hold {line}" for line, ranks in groups.items())
+        raise MeshError(
+            f"ranks disagree on the parameter pytree (paths, shapes, dtypes, units, placements) in step.init: {held} "
+            f"(the first difference). Every rank of the {mesh.describe()} must pass the same params and the same "
+            f"placements= rules: is the model or the plan built from something that differs across ranks?",
+            error.differences,
+        ) from None

@@ -19,8 +19,8 @@ import contextlib
 from . import _nonfinite, _reference
 from ._jit import Jit, agree
 from ._layout import Layout, make_layout
-from ._mesh import BaseMesh, MeshError
-from ._placed import place, resolve_placements, split_leaves
+from ._mesh import BaseMesh, MeshError, PeerError
+from ._placed import check_same_layout, place, resolve_placements, split_leaves
 from ._state import StepState, _StepKey, check_not_donated  # noqa: F401 - re-exported (checkpoint, export)
 from ._checks import broadcast_from_rank0, check_leaves, check_same_values, optimizer_facts, scalar_facts, step_facts
 from ._reference import StepError, StepFunction
@@ -147,12 +147,20 @@ class ShardedStep:
             raise ValueError(f"init(values=...) must be 'check', 'broadcast' or 'trust'; got {values!r}")
         if not isinstance(seed, int) or isinstance(seed, bool):
             raise ValueError(f"init(seed=...) must be an int; got {seed!r}")
-        placements = resolve_placements(params, self.placements, self.mesh)
-        full_layout, leaves = make_layout(params, self.mesh.num_shards, units=self.units, precision=self.precision)
-        check_leaves(full_layout, leaves, self.mesh, meta_ok=initialize is not None)
-        layout = full_layout if placements is None else place(params, placements, self.mesh, units=self.units, precision=self.precision)[0]
-        self.mesh.agree("step.init")
-        self.mesh.check_same("the parameter pytree (paths, shapes, dtypes, units, placements)", layout.signature())
+        error = None
+        try:
+            placements = resolve_placements(params, self.placements, self.mesh)
+            full_layout, leaves = make_layout(params, self.mesh.num_shards, units=self.units, precision=self.precision)
+            check_leaves(full_layout, leaves, self.mesh, meta_ok=initialize is not None)
+            layout = full_layout if placements is None else place(params, placements, self.mesh, units=self.units, precision=self.precision)[0]
+        except Exception as e:  # noqa: BLE001 (the other ranks must learn of it)
+            error = e
+        # A rank whose params or plan are refused raises its error; its peers name it at once.
+        self.mesh.succeed_together("step.init", error, lambda failed: PeerError(
+            f"ranks {failed} refused their parameters or placement rules in step.init (see their errors), so no "
+            f"rank initialized: every rank of the {self.mesh.describe()} must pass the same params and the same "
+            f"placements= rules", failed[0]))  # fmt: skip
+        check_same_layout(layout, self.mesh)
         with torch.no_grad():
             leaves = [leaf.detach() for leaf in leaves]
             if initialize is not None:

@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterable, Mapping, Union
 
 import torch
 
+from .._basemesh import DATA_PARALLEL_AXES
 from .._pytree import tree_leaves, tree_paths
 
 __all__ = [
@@ -252,6 +253,12 @@ def _checked_split(path: str, shape: tuple[int, ...], split: Split, sizes: dict[
             f"leaf {path!r} (shape {list(shape)}) is split over axis {split.axis!r}, which the mesh {sizes} does not "
             f"have: name one of {list(sizes)} in Split(axis=...), or add the axis to fs.init_mesh"
         )
+    if split.axis in DATA_PARALLEL_AXES:
+        raise PlacementError(
+            f"leaf {path!r} (shape {list(shape)}) is split over axis {split.axis!r}: a placement splits a leaf over a "
+            f"model-parallel axis ('tp'); the data-parallel axes of the mesh {sizes} shard the flat buffers on their "
+            f"own (FSDP). Use Split(dim, 'tp')"
+        )
     ndim = len(shape)
     if not -ndim <= split.dim < ndim:
         raise PlacementError(
@@ -274,8 +281,9 @@ def _checked_split(path: str, shape: tuple[int, ...], split: Split, sizes: dict[
             why = f"{shape[dim]} is not divisible by {parts}{blocks}"
         raise PlacementError(
             f"leaf {path!r} of shape {list(shape)}: dimension {dim} (size {shape[dim]}) cannot be split over axis "
-            f"{split.axis!r} of size {size}: {why}. Choose a {split.axis} size that divides it, pad the model's "
-            f"dimension to a multiple of {parts}, or replicate the leaf with an earlier rule(..., Replicated())"
+            f"{split.axis!r} of size {size} (mesh {sizes}): {why}. Choose a {split.axis} size that divides it, pad "
+            f"the model's dimension to a multiple of {parts}, or replicate the leaf with an earlier "
+            f"rule(..., Replicated())"
         )
     return dataclasses.replace(split, dim=dim)
 
