@@ -16,7 +16,9 @@ processes with `fs.init_mesh(axes)`.
 from __future__ import annotations
 
 import copy
+import json
 import os
+import shutil
 import threading
 
 import pytest
@@ -24,6 +26,7 @@ import torch
 
 import functional_shard as fs
 from functional_shard import tensor_parallel as tp
+from functional_shard.checkpoint import CheckpointError
 from functional_shard.models import GPT, GPTConfig
 
 CONFIG = GPTConfig(vocab_size=60, block_size=8, n_layer=2, n_head=4, d_model=24)
@@ -119,10 +122,13 @@ def save_at(mesh, path: str, axes=None):
     return full_state(state)
 
 
-def load_at(mesh, path: str, axes=None):
+def load_at(mesh, path: str, axes=None, save_to: str | None = None):
+    """Load `path` at `axes` (and save it again to `save_to`, from there)."""
     mesh = mesh_of(mesh, axes)
     step, params = make_step(mesh)
     state = fs.checkpoint.load(path, step.init(params))
+    if save_to is not None:
+        fs.checkpoint.save(save_to, state)
     return full_state(state), state.step
 
 
@@ -196,31 +202,52 @@ def test_resume_at_the_same_layout_is_exact(saved):
     assert_same(straight, resumed, "resumed at fsdp2xtp2")
 
 
+def assert_stored(expected: dict, path: str, where: str) -> None:
+    stored = fs.checkpoint.read(path)
+    assert_same(expected, {k: stored[k] for k in expected if k in stored}, where)
+
+
 @pytest.mark.parametrize("axes", [{"fsdp": 4}, {"tp": 4}, {"replicate": 2, "tp": 2}], ids=str)
-def test_tp_checkpoint_loads_exactly_at_other_layouts(world, saved, axes):
+def test_tp_checkpoint_loads_exactly_at_other_layouts(world, saved, axes, tmp_path):
+    """And saved again from there (meshes without a shard axis included), it holds the same."""
     path, expected, _, _ = saved
-    got, step = world.run(load_at, path, axes)[0]
+    got, step = world.run(load_at, path, axes, str(tmp_path / "again"))[0]
     assert step == 2
     assert_same(expected, got, f"loaded at {axes}")
+    assert_stored(expected, str(tmp_path / "again"), f"saved again at {axes}")
 
 
 @pytest.mark.parametrize("axes", [{"tp": 2}, {"fsdp": 1}], ids=str)
-def test_tp_checkpoint_loads_exactly_at_smaller_worlds(saved, axes):
+def test_tp_checkpoint_loads_exactly_at_smaller_worlds(saved, axes, tmp_path):
     path, expected, _, _ = saved
     size = 1
     for n in axes.values():
         size *= n
-    for got, step in fs.testing.SimulatedWorld(size, axes=axes).run(load_at, path):
+    for got, step in fs.testing.SimulatedWorld(size, axes=axes).run(load_at, path, None, str(tmp_path / "again")):
         assert step == 2
         assert_same(expected, got, f"loaded at {axes}")
+    assert_stored(expected, str(tmp_path / "again"), f"saved again at {axes}")
 
 
-def test_tp_checkpoint_names_full_tensors(saved):
-    """`read` gives each tensor whole in C order, whatever order it is stored in."""
+def test_tp_checkpoint_is_read_whole_and_checked(saved, tmp_path):
+    """`read` gives each tensor whole in C order, whatever order it is stored in; a changed byte
+    in the file of a rank at tp coordinate 1 is refused naming the file (`verify=`)."""
     path, expected, _, _ = saved
-    stored = fs.checkpoint.read(path)
-    for key, value in expected.items():
-        assert torch.equal(stored[key], value), key
+    assert_stored(expected, path, "read")
+    index = json.loads(open(os.path.join(path, "index.json")).read())
+    assert index["version"] == 3 and sorted(index["files"].values()) == [0, 1, 2, 3]
+    split = {e["key"]: e.get("split") for e in index["entries"]}
+    assert split["params/blocks.0.attn.qkv.weight"] == [0, 3, 2]  # q|k|v each split
+    assert split["params/blocks.0.mlp.proj.weight"] == [1, 1, 2]  # row-parallel
+    assert split["params/tok_emb.weight"] is None  # dimension 0: C order keeps pieces contiguous
+    copy_of = tmp_path / "ckpt"
+    shutil.copytree(path, copy_of)
+    target = copy_of / "rank-00001.safetensors"
+    data = bytearray(target.read_bytes())
+    data[-3] ^= 0xFF
+    target.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="rank-00001.safetensors.*CRC-32"):
+        fs.checkpoint.read(copy_of)
 
 
 @pytest.mark.parametrize("saved_at", [{"fsdp": 4}, {"fsdp": 1}], ids=str)

@@ -7,8 +7,9 @@
 A checkpoint is a directory: `index.json` (names, shapes, dtypes, where each chunk is, the
 optimizer's structure, the step, a format version), one safetensors file per writing rank, and
 a `COMMIT` marker written last. Tensors are named by leaf path and stored as full logical
-tensors cut into 1-D chunks, so a checkpoint depends on neither the world size nor the unit
-policy. See docs/checkpoints.md.
+tensors cut into 1-D chunks (a leaf split by a tensor-parallel placement in an order that keeps
+each rank's piece contiguous), so a checkpoint depends on neither the world size, nor the mesh,
+nor the placements, nor the unit policy. See docs/checkpoints.md.
 """
 
 from ._dcp import load_dcp as load_dcp

@@ -119,6 +119,11 @@ def flat_range_slices(shape: tuple[int, ...], start: int, stop: int) -> list[tup
     return out
 
 
+def _describe_full(layout: Layout, i: int) -> str:
+    """Leaf `i` with its full shape (before a tensor-parallel placement cut it): what a file holds."""
+    return f"leaf {layout.paths[i]!r} (shape {list(layout.full_shape(i))}, {str(layout.dtypes[i]).removeprefix('torch.')})"
+
+
 class SafetensorsInitializer(Initializer):
     """Made by `from_safetensors`."""
 
@@ -165,7 +170,7 @@ class _FileSource(LeafSource):
                     continue
                 also = f" (nor under its aliases {candidates[1:]})" if len(candidates) > 1 else ""
                 raise CheckpointError(
-                    f"{where} lacks {candidates[0]!r}{also}, {layout.describe_leaf(i)}: the file was saved from "
+                    f"{where} lacks {candidates[0]!r}{also}, {_describe_full(layout, i)}: the file was saved from "
                     f"another model (or pass rename= to map state-dict names to the file's)"
                 )
             stored = self.handle.get_slice(name)
@@ -174,7 +179,7 @@ class _FileSource(LeafSource):
                 got = f"{str(dtype).removeprefix('torch.') if dtype else stored.get_dtype()}{list(shape)}"
                 want = f"{str(layout.dtypes[i]).removeprefix('torch.')}{list(layout.full_shape(i))}"
                 raise CheckpointError(
-                    f"{where} holds {name!r} as {got}, but {layout.describe_leaf(i)} is {want}: the file was saved "
+                    f"{where} holds {name!r} as {got}, but {_describe_full(layout, i)} is {want}: the file was saved "
                     f"from another model or in another dtype (no casts are made)"
                 )
             found[i] = name
