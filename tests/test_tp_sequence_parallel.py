@@ -342,7 +342,8 @@ def test_blocks_and_styles_sequence_parallelism_cannot_run_are_refused_before_an
         tp.parallelize(layered(), rules, mesh, sequence_parallel=True, blocks="nowhere")
     tail = layered(tail="linear")
     with pytest.raises(tp.PlacementError, match=r"'tail' has style 'rowwise' after the blocks"):
-        tp.parallelize(tail, rules + [tp.Rule("tail.weight", tp.Split(1, "tp"), True, "rowwise")], mesh, sequence_parallel=True)
+        row_tail = rules + [tp.Rule("tail.weight", tp.Split(1, "tp"), True, "rowwise")]
+        tp.parallelize(tail, row_tail, mesh, sequence_parallel=True)
     assert tp.parallelized_modules(tail) == {}
 
 

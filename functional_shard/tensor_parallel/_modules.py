@@ -40,7 +40,15 @@ from torch import nn
 
 from ._collectives import copy_to, gather_along, reduce_from, reduce_scatter_along, scatter_along
 from ._placement import PlacementError, Split, _as_rules, placements_for
-from ._sequence import SEQUENCE_DIM, _SequenceParallel, apply_role, role_style, sequence_roles
+from ._sequence import (
+    SEQUENCE_DIM,
+    _SequenceParallel,
+    apply_role,
+    column_linear,
+    gather_sequence,
+    role_style,
+    sequence_roles,
+)
 
 __all__ = ["parallelize", "parallelized_modules"]
 
@@ -77,11 +85,12 @@ class TensorParallelLinear(_TensorParallel):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         style, mesh, axis, sequence = self._fs_style, self._fs_mesh, self._fs_axis, self._fs_sequence
         if style in _COLWISE or style in _COLWISE_GATHERED:
-            if sequence == "gather":
-                x = gather_along(x, SEQUENCE_DIM, mesh, axis)
-            elif sequence is None:
-                x = copy_to(x, mesh, axis)
-            y = F.linear(x, self.weight, self.bias)
+            if sequence is None:
+                y = F.linear(copy_to(x, mesh, axis), self.weight, self.bias)
+            else:
+                # On the whole sequence, saving only this rank's slice for the backward.
+                full = gather_sequence(x, mesh, axis) if sequence == "gather" else x
+                y = column_linear(full, self.weight, self.bias)
             return gather_along(y, -1, mesh, axis, grad="split") if style in _COLWISE_GATHERED else y
         if style in _ROWWISE_SPLIT_INPUT:
             x = scatter_along(x, -1, mesh, axis)

@@ -5,17 +5,18 @@
 rank holds is then rank-local: a slice of the sequence (dimension 1 of `[batch, seq, hidden]`)
 between the matmuls, or the rank's heads / features of the whole sequence inside them:
 
-| where | what runs | collective (forward / backward) |
-|---|---|---|
-| the first block's input | `scatter_along(x, 1)`: this rank's slice of the sequence | none / all-gather |
-| a module holding column-parallel Linears (attention, MLP) | its input gathered once: `gather_along(x, 1)` | all-gather / reduce-scatter |
-| column-parallel Linear in it | `F.linear(x, w, b)` on the gathered input | none (the gather's backward sums) |
-| row-parallel Linear | `reduce_scatter_along(F.linear(x, w), 1) + copy_to(b)` | reduce-scatter / all-gather |
-| any other module with replicated parameters (norms, a Qwen3 `q_norm`) | its own forward with each parameter through `copy_to` | none / all-reduce of its gradient |
-| `nn.Dropout` | the whole activation's mask drawn, this rank's slice along dim 1 kept | none |
-| after the blocks: norms | as in the blocks (on sequence slices) | none / all-reduce of the gradient |
-| after the blocks: column-parallel head | `gather_along(x, 1)` before its matmul | all-gather / reduce-scatter |
-| after the blocks: replicated head | `gather_along(x, 1, grad="split")` (every rank computes the same logits) | all-gather / none |
+- the first block: its input cut, `scatter_along(x, 1)` (backward: all-gather);
+- a module holding column-parallel Linears (attention, MLP): its first input gathered once,
+  `gather_sequence(x)` = `gather_along(x, 1)` (backward: reduce-scatter of the summed gradient);
+- its column-parallel Linears: `F.linear` on the gathered input, saving this rank's slice and
+  gathering it again in the backward, once per module (`LinearOnGathered`, Megatron-SP);
+- row-parallel Linear: `reduce_scatter_along(F.linear(x, w), 1) + copy_to(b)`;
+- any other module with whole parameters (norms; a Qwen3 `q_norm` on local heads): its own
+  forward with each parameter through `copy_to` (backward: all-reduce of its gradient);
+- `nn.Dropout`: the whole activation's mask drawn, this rank's slice along dim 1 kept;
+- after the blocks: norms as inside; a column-parallel head gathers its input
+  (`gather_sequence`); a head with a whole weight gathers it with `grad="split"` (every rank
+  computes the same logits).
 
 The embedding keeps its tensor-parallel forward and its output is the whole sequence (so
 Hugging Face models compute rotary embeddings, position ids and the causal mask from it, and
@@ -50,10 +51,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._collectives import copy_to, gather_along, scatter_along
-from ._placement import PlacementError, Split
+from ._collectives import _all_gather, copy_to, gather_along, scatter_along
+from ._placement import PlacementError
 
-__all__ = ["SEQUENCE_DIM", "SequenceParallelModule", "SequenceParallelDropout", "SequenceGatheredLinear", "Role", "sequence_roles"]
+__all__ = [
+    "SEQUENCE_DIM",
+    "SequenceParallelModule",
+    "SequenceParallelDropout",
+    "SequenceGatheredLinear",
+    "LinearOnGathered",
+    "Role",
+    "sequence_roles",
+    "gather_sequence",
+    "column_linear",
+]
 
 SEQUENCE_DIM = 1  # activations are [batch, seq, ...]; attention weights [batch, heads, seq, seq] split along heads
 
@@ -134,11 +145,83 @@ class SequenceGatheredLinear(_SequenceParallel):
     along the sequence; every rank computes the same output, so the input's gradient is sliced."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        full = gather_along(_checked(x, self._fs_axis, self._fs_mesh, self), SEQUENCE_DIM, self._fs_mesh, self._fs_axis, grad="split")
+        full = gather_along(_checked(x, self), SEQUENCE_DIM, self._fs_mesh, self._fs_axis, grad="split")
         return F.linear(full, self.weight, self.bias)
 
 
-def _checked(x: Any, axis: str, mesh: Any, module: nn.Module) -> torch.Tensor:
+class _Regather:
+    """The whole-sequence input of the column-parallel Linears of one module, gathered again in
+    the backward: once, by the first Linear whose backward runs, and dropped after the last."""
+
+    def __init__(self, shard: torch.Tensor, mesh: Any, axis: str) -> None:
+        self.shard, self.mesh, self.axis = shard, mesh, axis
+        self.users = 0  # Linears whose backward still needs it
+        self.full: torch.Tensor | None = None
+
+    def take(self, shard: torch.Tensor) -> torch.Tensor:
+        if self.full is None:
+            self.full = _all_gather(shard, SEQUENCE_DIM, self.mesh, self.axis)
+        full = self.full
+        self.users -= 1
+        if self.users <= 0:
+            self.full = self.shard = None
+        return full
+
+
+class LinearOnGathered(torch.autograd.Function):
+    """`F.linear(full, weight, bias)` that saves this rank's sequence slice instead of the
+    gathered input and all-gathers it again for the weight's gradient (Megatron-SP: the
+    activations saved between blocks are `tp` times smaller, for one more all-gather of the
+    block's input per module in the backward, shared by its Linears).
+
+    Forward: the matmul, no communication. Backward: the input's gradient `grad @ weight`
+    (partial: the gather that made `full` reduce-scatters it), the weight's gradient from the
+    gathered-again input.
+    """
+
+    @staticmethod
+    def forward(full, shard, weight, bias, regather):
+        return F.linear(full, weight, bias)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        full, shard, weight, bias, regather = inputs
+        ctx.save_for_backward(shard, weight)
+        ctx.regather, ctx.has_bias = regather, bias is not None
+
+    @staticmethod
+    def backward(ctx, grad):
+        shard, weight = ctx.saved_tensors
+        grad_full = grad.matmul(weight) if ctx.needs_input_grad[0] else None
+        grad_weight = grad_bias = None
+        flat = grad.reshape(-1, grad.shape[-1])
+        full = ctx.regather.take(shard)
+        if ctx.needs_input_grad[2]:
+            grad_weight = flat.t().matmul(full.reshape(-1, full.shape[-1]))
+        if ctx.has_bias and ctx.needs_input_grad[3]:
+            grad_bias = flat.sum(0)
+        return grad_full, None, grad_weight, grad_bias, None
+
+
+def gather_sequence(shard: torch.Tensor, mesh: Any, axis: str) -> torch.Tensor:
+    """The whole sequence from this rank's slice (`gather_along(shard, 1)`), marked so that the
+    column-parallel Linears applied to it save the slice, not the whole (`column_linear`)."""
+    full = gather_along(shard, SEQUENCE_DIM, mesh, axis)
+    full._fs_regather = _Regather(shard, mesh, axis)
+    return full
+
+
+def column_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """A column-parallel matmul on a gathered sequence (`gather_sequence`'s output): saves the
+    slice and gathers again in the backward; on any other tensor, `F.linear`."""
+    regather = getattr(x, "_fs_regather", None)
+    if regather is None or regather.shard is None or not torch.is_grad_enabled():
+        return F.linear(x, weight, bias)
+    regather.users += 1
+    return LinearOnGathered.apply(x, regather.shard, weight, bias, regather)
+
+
+def _checked(x: Any, module: nn.Module) -> torch.Tensor:
     if not isinstance(x, torch.Tensor) or x.dim() < 2:
         raise PlacementError(
             f"sequence parallelism: {type(module).__name__} expects a [batch, seq, ...] tensor as its first input; "
@@ -148,7 +231,7 @@ def _checked(x: Any, axis: str, mesh: Any, module: nn.Module) -> torch.Tensor:
 
 
 def _scatter_sequence(x: Any, mesh: Any, axis: str, module: nn.Module) -> torch.Tensor:
-    x = _checked(x, axis, mesh, module)
+    x = _checked(x, module)
     size = mesh.shape[axis]
     if x.shape[SEQUENCE_DIM] % size:
         raise PlacementError(
@@ -161,7 +244,7 @@ def _scatter_sequence(x: Any, mesh: Any, axis: str, module: nn.Module) -> torch.
 
 
 def _gather_sequence(x: Any, mesh: Any, axis: str, module: nn.Module) -> torch.Tensor:
-    return gather_along(_checked(x, axis, mesh, module), SEQUENCE_DIM, mesh, axis)
+    return gather_sequence(_checked(x, module), mesh, axis)
 
 
 def _first_input_name(module: nn.Module) -> str | None:
@@ -173,7 +256,9 @@ def _first_input_name(module: nn.Module) -> str | None:
 
 
 def _find_blocks(model: nn.Module, split: dict[str, tuple[str, str]], blocks: str | None) -> str:
-    containers = {name: m for name, m in model.named_modules() if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m)}
+    containers = {
+        name: m for name, m in model.named_modules() if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m)
+    }
     if blocks is not None:
         if blocks not in containers:
             raise PlacementError(
@@ -310,6 +395,3 @@ def role_style(role: Role) -> str:
         parts.append("sequence_parallel")
     return "+".join(parts)
 
-
-def is_split(placement: Any) -> bool:
-    return isinstance(placement, Split)
