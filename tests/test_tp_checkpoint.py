@@ -98,12 +98,12 @@ def mesh_of(mesh, axes):
 # --- what the ranks run (module level: pickled by reference into the rank processes) --------
 
 
-def save_and_resume(mesh, directory: str, axes=None):
+def save_and_resume(mesh, directory: str, axes=None, trace: bool = False):
     """Two steps, save; two more steps straight; load the checkpoint into a fresh template and
     take the same two steps. Rank 0 returns (the saved full state, the straight run's losses and
     full state, the resumed run's)."""
     mesh = mesh_of(mesh, axes)
-    step, params = make_step(mesh)
+    step, params = make_step(mesh, trace=trace)
     state, _ = train(step, step.init(params), mesh, range(2))
     fs.checkpoint.save(os.path.join(directory, "ckpt"), state)
     saved = full_state(state)
@@ -205,6 +205,23 @@ def test_resume_at_the_same_layout_is_exact(saved):
 def assert_stored(expected: dict, path: str, where: str) -> None:
     stored = fs.checkpoint.read(path)
     assert_same(expected, {k: stored[k] for k in expected if k in stored}, where)
+
+
+@pytest.mark.slow
+def test_traced_resume_at_the_same_layout_is_exact(world, tmp_path):
+    _, (straight_losses, straight), (resumed_losses, resumed) = world.run(save_and_resume, str(tmp_path), None, True)[0]
+    assert resumed_losses == straight_losses
+    assert_same(straight, resumed, "traced, resumed at fsdp2xtp2")
+
+
+@pytest.mark.slow
+def test_tp_checkpoint_loads_exactly_at_tp2_in_gloo_processes(saved, tmp_path):
+    path, expected, _, _ = saved
+    with fs.testing.LocalWorld(2, axes={"tp": 2}) as pair:
+        got, step = pair.run(load_at, path, None, str(tmp_path / "again"))[0]
+    assert step == 2
+    assert_same(expected, got, "loaded at {'tp': 2} (gloo)")
+    assert_stored(expected, str(tmp_path / "again"), "saved again at {'tp': 2} (gloo)")
 
 
 @pytest.mark.parametrize("axes", [{"fsdp": 4}, {"tp": 4}, {"replicate": 2, "tp": 2}], ids=str)
