@@ -12,8 +12,10 @@ On 2 gloo processes at `{"tp": 2}` (4 at `{"fsdp": 2, "tp": 2}`, slow):
   single-process mask.
 - Activation memory: the activations saved between the blocks' matmuls (norms, residual
   dropout, the column-parallel matmuls' inputs) are `tp` times smaller per block.
-- Errors: a sequence not divisible by `tp`, no blocks or several, a split embedding in the
-  blocks, a row-parallel Linear after them.
+- Errors: a sequence not divisible by `tp`, no blocks or several, a row-parallel Linear after
+  them, each before anything changes.
+- Slow: GPT with a replicated embedding and head, GPT at `{"fsdp": 2, "tp": 2}`, the memory at
+  `tp=4`, Qwen2 (split q/k/v biases) with 2 micro-batches and `step.evaluate`.
 """
 
 from __future__ import annotations
@@ -368,3 +370,57 @@ def test_activations_saved_between_blocks_at_tp_4(local_world):
     got = local_world(4).run(saved_between_blocks, 4)[0]
     print({k: dict(v) for k, v in got.items()})
     assert got[False]["between"] == pytest.approx(4 * got[True]["between"], rel=0.02)
+
+
+def qwen2_micro_batches(_):
+    """Qwen2 (split q/k/v biases) with sequence parallelism, 2 micro-batches: first-step gradient
+    against the single-process model's, evaluate, traced == eager."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    mesh = fs.init_mesh({"tp": 2})
+    config = Qwen2Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32, attn_implementation="sdpa", tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config)
+    reference = Qwen2ForCausalLM(config)
+    reference.load_state_dict(model.state_dict())
+    ids = torch.randint(0, VOCAB, (4, 8), generator=torch.Generator().manual_seed(3))
+    rules = tp.hf_rules(model)
+    apply_fn, params = fs.functionalize(tp.parallelize(model, rules, mesh, sequence_parallel=True))
+
+    def loss_fn(p, batch):
+        return F.cross_entropy(apply_fn(p, input_ids=batch).logits[:, :-1].flatten(0, 1), batch[:, 1:].flatten())
+
+    out = {}
+    for trace in (False, True):
+        step = fs.sharded_step(
+            loss_fn, mesh, optimizer=fs.optim.adamw(LR), placements=rules, microbatches=2,
+            schedule=fs.Schedule(trace=trace),
+        )  # fmt: skip
+        state = step.init(params)
+        grads = fs.gather(step.grad(state, ids)[0], full=True)
+        evaluated = float(step.evaluate(state, ids)["loss"])
+        for _ in range(STEPS):
+            state, _ = step(state, ids)
+        out[trace] = (grads, evaluated, state)
+    loss = F.cross_entropy(reference(input_ids=ids).logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    loss.backward()
+    errors = {k: float((out[False][0][k] - p.grad).norm() / p.grad.norm()) for k, p in reference.named_parameters()}
+    return {
+        "errors": errors,
+        "evaluated": (out[False][1], out[True][1], float(loss)),
+        "traced_equals_eager": same_tree(out[False][2], out[True][2]),
+    }
+
+
+@pytest.mark.slow
+def test_qwen2_with_micro_batches_and_evaluate_under_sequence_parallelism(local_world):
+    pytest.importorskip("transformers")
+    got = local_world(2).run(qwen2_micro_batches)[0]
+    print(max(got["errors"].values()), got["evaluated"])
+    assert max(got["errors"].values()) <= 1e-5, got["errors"]
+    eager, traced, single = got["evaluated"]
+    assert eager == traced and abs(eager - single) <= 1e-5 * single
+    assert got["traced_equals_eager"]
