@@ -287,7 +287,7 @@ def _sharded_gradients(fn: StepFunction, layout: Layout, shards, trainable, froz
         with _tracing.phase("forward"):
             for k, s in zip(trainable, trainable_shards):
                 spec = layout.buffers[k]
-                leaves.update(zip(spec.leaves, gather_buffer(layout, spec, s, mesh, differentiable=True)))
+                leaves.update(zip(spec.leaves, gather_buffer(layout, spec, s, mesh, differentiable=True, alias=True)))
             with _tracing.graph_semantics():
                 out = fn.loss_fn(layout.assemble(leaves, local), micro)
         return _objective(fn, out, scale)

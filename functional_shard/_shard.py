@@ -126,7 +126,9 @@ def gather(sharded: Sharded, *, full: bool = False) -> Any:
     return layout.assemble(leaves, sharded.local)
 
 
-def gather_buffer(layout: Layout, spec: BufferSpec, shard: torch.Tensor, mesh: BaseMesh, *, differentiable: bool) -> list[torch.Tensor]:
+def gather_buffer(
+    layout: Layout, spec: BufferSpec, shard: torch.Tensor, mesh: BaseMesh, *, differentiable: bool, alias: bool = False
+) -> list[torch.Tensor]:
     """All-gather one flat buffer and return its leaves (views of the full buffer, in `spec.leaves` order).
 
     Arguments:
@@ -135,17 +137,24 @@ def gather_buffer(layout: Layout, spec: BufferSpec, shard: torch.Tensor, mesh: B
         mesh: the mesh.
         differentiable: gather with `GatherFlat` (its gradient is a reduce-scatter); else move
             the bytes without a gradient (any dtype).
+        alias: where the gather is the identity (a mesh with no shard axis and no replicate
+            axis, e.g. `{"tp": 2}`, and no cast), return views of `shard` itself instead of a
+            copy; the gradient flows to it unchanged. The step's use: no second copy of the
+            parameters alive through the step. Not for what is handed to the user, who may keep
+            it past a step that updates the shards in place.
 
     The buffer is gathered in `spec.gather_dtype` (mixed precision), its gradient reduced in
     `spec.reduce_dtype`.
     """
-    return layout.unflatten_buffer(spec, gather_full(spec, shard, mesh, differentiable=differentiable))
+    return layout.unflatten_buffer(spec, gather_full(spec, shard, mesh, differentiable=differentiable, alias=alias))
 
 
-def gather_full(spec: BufferSpec, shard: torch.Tensor, mesh: BaseMesh, *, differentiable: bool) -> torch.Tensor:
+def gather_full(spec: BufferSpec, shard: torch.Tensor, mesh: BaseMesh, *, differentiable: bool, alias: bool = False) -> torch.Tensor:
     """All-gather one flat buffer in `spec.gather_dtype`: `[spec.padded_numel]` on every rank
-    (see `gather_buffer`, which returns its leaves)."""
+    (see `gather_buffer`, which returns its leaves, and says what `alias` does)."""
     shard = shard.contiguous()
+    if alias and mesh.shard_axis is None and not mesh.replicate_axes and spec.gather_dtype == spec.reduce_dtype == shard.dtype:
+        return shard  # GatherFlat would copy it, and its backward copy the gradient: both the identity
     if differentiable:
         return GatherFlat.apply(shard, mesh, spec, spec.gather_dtype, spec.reduce_dtype)
     return gather_bytes(shard if spec.gather_dtype == shard.dtype else shard.to(spec.gather_dtype), mesh, spec)
