@@ -192,11 +192,23 @@ def fs_arm(mesh, model: nn.Module, rules, make_loss, batches, report: dict) -> N
             if i == 0:
                 report[f"grad_norm_{trace}"] = float(metrics["grad_norm"])
         states[trace] = state
+        if trace and "tp" in mesh.device_mesh.mesh_dim_names:
+            report["tp_all_reduce_bytes"] = tp_all_reduce_bytes(step.last_traced().graph_module, mesh)
     report["traced_equals_eager"] = all(
         torch.equal(a, b) for a, b in zip(fs.tree_leaves(states[True]), fs.tree_leaves(states[False]))
     )
     final = fs.gather(states[True].params, full=True)
     report["final"] = {k: final[k] for k in final.trainable}
+
+
+def tp_all_reduce_bytes(gm, mesh) -> list[int]:
+    """Bytes of each all-reduce over the `tp` group in a traced step's graph, in graph order."""
+    group = mesh.device_mesh.get_group("tp").group_name
+    return [
+        n.args[0].meta["val"].numel() * n.args[0].meta["val"].element_size()
+        for n in gm.graph.nodes
+        if n.target is torch.ops._c10d_functional.all_reduce.default and n.args[-1] == group
+    ]
 
 
 def llama_loss(apply_fn, mesh):
@@ -369,6 +381,13 @@ def test_llama_by_its_own_plan_trains_like_single_process(local_world, llama_ref
     report = local_world(world).run(llama_tensor_parallel, axes)[0]
     n = world // axes["tp"]
     check(report, axes, llama_reference[n, "grads"], llama_reference[n, "norm"], llama_reference[n, "model"])
+    # Megatron's bytes (docs/parallelism.md): per layer 4 all-reduces of b·s·h over tp (2 in the forward after
+    # o_proj and down_proj, 2 in the backward before q/k/v and gate/up, each module's input copied once), and one
+    # for the head's input; besides, at most the gradient norm's sum of squares (16 bytes); nothing else runs over
+    # tp (norms and the embedding are whole). Before each module copied its input once: 4 + 3 per layer.
+    bsh = PER_RANK * LENGTH * 32 * 4
+    activations = [b for b in report["tp_all_reduce_bytes"] if b > 16]
+    assert activations == [bsh] * (4 * 2 + 1), report["tp_all_reduce_bytes"]
 
 
 def test_gpt_at_tp4_trains_like_single_process(local_world):

@@ -42,6 +42,7 @@ from ._collectives import copy_to, gather_along, reduce_from, reduce_scatter_alo
 from ._placement import PlacementError, Split, _as_rules, placements_for
 from ._sequence import (
     SEQUENCE_DIM,
+    Role,
     _SequenceParallel,
     apply_role,
     column_linear,
@@ -87,6 +88,8 @@ class TensorParallelLinear(_TensorParallel):
         if style in _COLWISE or style in _COLWISE_GATHERED:
             if sequence is None:
                 y = F.linear(copy_to(x, mesh, axis), self.weight, self.bias)
+            elif sequence == "copied":  # the enclosing module passed its input through copy_to once
+                y = F.linear(x, self.weight, self.bias)
             else:
                 # On the whole sequence, saving only this rank's slice for the backward.
                 full = gather_sequence(x, mesh, axis) if sequence == "gather" else x
@@ -210,6 +213,8 @@ def parallelize(
     if sequence_parallel and split:
         replicated = {path for path, placement in placements.items() if not isinstance(placement, Split)}
         _, sequence_axis, roles = sequence_roles(model, split, replicated, blocks)
+    elif split:
+        roles, sequence_axis = _copy_once_roles(split), None
     # Every check passed: only now are classes changed.
     modules = dict(model.named_modules())
     for name, (style, axis) in split.items():
@@ -221,8 +226,32 @@ def parallelize(
             module._fs_sequence = roles[name].linear
     for name, role in roles.items():
         if name not in split:
-            apply_role(modules[name], role, role_style(role), mesh, sequence_axis, _module_class)
+            apply_role(modules[name], role, role_style(role), mesh, sequence_axis or _split_axis(split), _module_class)
     return model
+
+
+def _split_axis(split: dict[str, tuple[str, str]]) -> str:
+    return next(iter(split.values()))[1]
+
+
+def _copy_once_roles(split: dict[str, tuple[str, str]]) -> dict[str, Role]:
+    """Plain tensor parallelism: a module holding several column-parallel Linears as direct
+    children (attention's q/k/v, a gated MLP's gate/up) passes its first input through `copy_to`
+    once and its Linears skip theirs, so the input's gradient is all-reduced once per module —
+    Megatron's 4 all-reduces of `b·s·h` per layer, not one per Linear. It assumes, as sequence
+    parallelism does, that those Linears read that input (true of Llama, Qwen2 and GPT blocks)."""
+    holders: dict[str, list[str]] = {}
+    for name, (style, _) in split.items():
+        if style in _COLWISE and "." in name:
+            holders.setdefault(name.rsplit(".", 1)[0], []).append(name)
+    roles: dict[str, Role] = {}
+    for parent, children in holders.items():
+        if len(children) < 2 or parent in split or len({split[c][1] for c in children}) != 1:
+            continue
+        roles[parent] = Role("copy", (), None, False)
+        for child in children:
+            roles[child] = Role(None, (), "copied", False)
+    return roles
 
 
 def parallelized_modules(model: nn.Module) -> dict[str, str]:
@@ -233,8 +262,13 @@ def parallelized_modules(model: nn.Module) -> dict[str, str]:
     for name, m in model.named_modules():
         if isinstance(m, (_TensorParallel, _SequenceParallel)):
             sequence = getattr(m, "_fs_sequence", None)
-            out[name] = m._fs_style + (f"+sequence_{_SEQUENCE_NAMES[sequence]}" if sequence else "")
+            out[name] = m._fs_style + (f"+{_SEQUENCE_NAMES[sequence]}" if sequence else "")
     return out
 
 
-_SEQUENCE_NAMES = {"gathered": "gathered_input", "gather": "gather_input", "scatter": "reduce_scatter_output"}
+_SEQUENCE_NAMES = {
+    "gathered": "sequence_gathered_input",
+    "gather": "sequence_gather_input",
+    "scatter": "sequence_reduce_scatter_output",
+    "copied": "copied_input",
+}

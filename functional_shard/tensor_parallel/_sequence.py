@@ -76,7 +76,7 @@ _HEAD = {"colwise", "packed_colwise", "colwise_rep", "colwise_gather_output"}
 class Role(NamedTuple):
     """What sequence parallelism does to one module (`sequence_roles`)."""
 
-    input: str | None  # "scatter" (the first block), "gather" (holds column-parallel Linears), or None
+    input: str | None  # "scatter" (the first block), "gather" (holds column-parallel Linears), "copy" (plain TP: copy_to once), or None
     copied: tuple[str, ...]  # names of its replicated parameters passed through copy_to
     linear: str | None  # a Linear's mode: "gathered", "gather", "scatter", "gather_replicated"
     dropout: bool  # an nn.Dropout on rank-local data
@@ -105,7 +105,7 @@ class SequenceParallelModule(_SequenceParallel):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         mesh, axis = self._fs_mesh, self._fs_axis
         if self._fs_input is not None:
-            move = _scatter_sequence if self._fs_input == "scatter" else _gather_sequence
+            move = {"scatter": _scatter_sequence, "gather": _gather_sequence, "copy": _copy_input}[self._fs_input]
             if args:
                 args = (move(args[0], mesh, axis, self),) + tuple(args[1:])
             elif self._fs_input_name in kwargs:
@@ -245,6 +245,12 @@ def _scatter_sequence(x: Any, mesh: Any, axis: str, module: nn.Module) -> torch.
 
 def _gather_sequence(x: Any, mesh: Any, axis: str, module: nn.Module) -> torch.Tensor:
     return gather_sequence(_checked(x, module), mesh, axis)
+
+
+def _copy_input(x: Any, mesh: Any, axis: str, module: nn.Module) -> torch.Tensor:
+    """Plain tensor parallelism: the input of a module of several column-parallel Linears passed
+    through `copy_to` once (Megatron's f), so its gradient is all-reduced once, not per Linear."""
+    return copy_to(x, mesh, axis)
 
 
 def _first_input_name(module: nn.Module) -> str | None:
@@ -390,7 +396,7 @@ def role_style(role: Role) -> str:
         return "sequence_gather_replicated"
     parts = []
     if role.input:
-        parts.append({"scatter": "sequence_scatter_input", "gather": "sequence_gather_input"}[role.input])
+        parts.append({"scatter": "sequence_scatter_input", "gather": "sequence_gather_input", "copy": "copy_input"}[role.input])
     if role.copied:
         parts.append("sequence_parallel")
     return "+".join(parts)
