@@ -11,7 +11,10 @@
   its bytes read and written at `efficiency.memory` of the HBM bandwidth, `launch_s` at least;
 - collectives: a ring over NVLink within a node (per-GPU bandwidth per direction, at
   `efficiency.bus`), and across nodes the two-level ring NCCL's channels make: each GPU's NIC
-  carries its share between nodes (`network_gbps` per GPU, at `efficiency.bus`);
+  carries its share between nodes (`network_gbps` per GPU, at `efficiency.bus`); a group is
+  priced where its ranks lie (`Machine.collective_seconds(..., stride=)`, the stride read from
+  the mesh axis it spans): on `{"fsdp": 64, "tp": 8}` a `tp` group is one node (NVLink), an
+  `fsdp` group one rank on each of 64 nodes;
 - peak memory as the CUDA caching allocator reserves it: the bytes alive at the peak times
   `1 + efficiency.allocator` (`Simulation.reserved`).
 
