@@ -264,7 +264,9 @@ def scheduled_step(
             "gather_issued": "all_gather", "reduce_scatter_issued": "reduce_scatter", "all_reduce_issued": "all_reduce"
         }
         issued = [e for e in events if e.event in kinds]
-        sequence = [f"{kinds[e.event]} of {e.buffer or 'a value'} ({e.nbytes} bytes)" for e in issued]
+        # Compared across ranks before any runs: each collective with the axis of its group, so a
+        # rank that would pair a tensor-parallel collective with another axis's is named.
+        sequence = [f"{kinds[e.event]} of {e.buffer or 'a value'} over {e.axis or '?'} ({e.nbytes} bytes)" for e in issued]
         run = torch.compile(gm, backend="inductor", fullgraph=True, dynamic=False) if schedule.compile else runnable(gm)
     except BaseException:
         retained.forget()

@@ -424,3 +424,35 @@ def test_llama_70b_plans_at_fsdp64_tp8_in_one_process():
         f"tp collectives {tp_s:.3f} s), {tokens_per_gpu:.0f} tokens/s per GPU, MFU {mfu:.2f}, "
         f"reserved {simulation.reserved / 2**30:.1f} GiB"
     )
+
+
+def test_a_bounded_number_of_reduce_scatters_in_flight_plans_with_tp_collectives_between_them():
+    """`reduce_scatters_in_flight=1` bounded the reduce-scatters in the order they had before
+    `early_reduce_scatter` moved each after its gradient; with tensor-parallel collectives between
+    units' gradients that order had changed, and a wait was moved before its own issue (an
+    invalid graph). The pass now bounds them in the order they are issued."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False, attn_implementation="sdpa",
+    )  # fmt: skip
+    mesh = fs.analysis.AbstractMesh({"fsdp": 2, "tp": 2})
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    rules = tp.hf_rules(model)
+    apply_fn, params = fs.functionalize(tp.parallelize(model, rules, mesh))
+
+    def loss_fn(p, batch):
+        ids, labels = batch
+        return apply_fn(p, input_ids=ids, labels=labels, use_cache=False).loss
+
+    schedule = fs.Schedule(reduce_scatters_in_flight=1)
+    analysis, compiled = fs.analysis.plan(
+        loss_fn, params, meta_tokens(), mesh=mesh, optimizer=fs.optim.adamw(lr=1e-3), placements=rules, schedule=schedule
+    )
+    scatters = [e for e in compiled.events if e.event.startswith("reduce_scatter") and e.buffer]
+    issued = [e.position for e in scatters if e.event == "reduce_scatter_issued"]
+    waited = [e.position for e in scatters if e.event == "reduce_scatter_waited"]
+    assert len(issued) == len(waited) > 2
+    # One in flight: each wait comes before the next issue.
+    assert all(w < i for w, i in zip(sorted(waited), sorted(issued)[1:]))

@@ -218,7 +218,10 @@ class early_reduce_scatter(Pass):
                 position = positions(gm)
                 move_before([c.wait], min(readers, key=position.__getitem__))
         if self.in_flight is not None:
-            _wait_before_later_issue(gm, scatters, self.in_flight)
+            # In the order they are issued now: moving each issue after its gradient may have
+            # reordered them (a tensor-parallel collective between two units' gradients does).
+            position = positions(gm)
+            _wait_before_later_issue(gm, sorted(scatters, key=lambda c: position[c.issue]), self.in_flight)
         gm.graph.lint()
         return gm
 
