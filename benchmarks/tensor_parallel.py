@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import logging
 import platform
 import statistics
 import subprocess
@@ -265,6 +266,8 @@ def run(config: Config) -> dict:
     torch.set_num_threads(1)
     # FSDP2 warns on every forward that the root returns a view (the logits); nothing here writes to it.
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
+    # DTensor.full_tensor of a TP + FSDP2 parameter (_StridedShard) warns that it gathers twice (once, after the run).
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     mesh = fs.init_mesh(config.axes)
     names = tuple(config.axes)
     device_mesh = init_device_mesh("cpu", tuple(config.axes.values()), mesh_dim_names=names)
