@@ -188,7 +188,8 @@ def variants(mesh, model_name):
     return out
 
 
-@pytest.mark.parametrize("world_size", [1, 2])
+# World size 1 runs with the slow tests (suite budget); test_at_one_rank_only_the_units_the_peak_needs_move covers one rank.
+@pytest.mark.parametrize("world_size", [pytest.param(1, marks=pytest.mark.slow), 2])
 @pytest.mark.parametrize("model_name", ["gpt", "cnn"])
 def test_every_schedule_keeps_the_eager_bits_with_early_updates(local_world, model_name, world_size):
     # One rank included: there the step drops the collectives after the passes and a
