@@ -142,19 +142,25 @@ def test_tp_bytes_per_layer_with_sequence_parallelism_are_gathers_and_scatters_o
     assert len(small) == 6 * layers + 2 and {c.nbytes for c in small} == {h * 4}
 
 
-@pytest.fixture(scope="module")
-def llama_plan():
+def meta_llama(mesh, layers: int):
+    """A small Hugging Face Llama (GQA, untied head) on the meta device, parallelized by its own
+    plan on `mesh`: `(config, rules, apply_fn, params)`."""
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=layers, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False, attn_implementation="sdpa",
     )  # fmt: skip
-    mesh = fs.analysis.AbstractMesh({"fsdp": 2, "tp": 2})
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(config)
     rules = tp.hf_rules(model)
-    tp.parallelize(model, rules, mesh)
-    apply_fn, params = fs.functionalize(model)
+    apply_fn, params = fs.functionalize(tp.parallelize(model, rules, mesh))
+    return config, rules, apply_fn, params
+
+
+@pytest.fixture(scope="module")
+def llama_plan():
+    mesh = fs.analysis.AbstractMesh({"fsdp": 2, "tp": 2})
+    config, rules, apply_fn, params = meta_llama(mesh, layers=2)
 
     def loss_fn(p, batch):
         ids, labels = batch
@@ -431,16 +437,8 @@ def test_a_bounded_number_of_reduce_scatters_in_flight_plans_with_tp_collectives
     `early_reduce_scatter` moved each after its gradient; with tensor-parallel collectives between
     units' gradients that order had changed, and a wait was moved before its own issue (an
     invalid graph). The pass now bounds them in the order they are issued."""
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False, attn_implementation="sdpa",
-    )  # fmt: skip
     mesh = fs.analysis.AbstractMesh({"fsdp": 2, "tp": 2})
-    with torch.device("meta"):
-        model = transformers.LlamaForCausalLM(config)
-    rules = tp.hf_rules(model)
-    apply_fn, params = fs.functionalize(tp.parallelize(model, rules, mesh))
+    _, rules, apply_fn, params = meta_llama(mesh, layers=3)
 
     def loss_fn(p, batch):
         ids, labels = batch

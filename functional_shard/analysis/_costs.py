@@ -18,6 +18,7 @@ import torch
 from torch import fx
 from torch.utils.flop_counter import flop_registry
 
+from ..schedule._liveness import tensors_of
 from ..schedule._lower import release
 
 __all__ = ["NodeCost", "node_cost", "op_class", "tensors_of", "is_view", "COLLECTIVE_OPS", "OP_CLASSES"]
@@ -120,14 +121,6 @@ def elementwise_ops(kind: str, name: str, inputs: list[torch.Tensor], outputs: l
         return _NORMALIZATION_OPS * max((t.numel() for t in inputs), default=0)
     return 0
 
-
-def tensors_of(value) -> list[torch.Tensor]:
-    """The tensors in a node's `meta["val"]` (a tensor, or a tuple/list of them for ops such as split)."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in tensors_of(v)]
-    return []
 
 
 def is_view(node: fx.Node) -> bool:

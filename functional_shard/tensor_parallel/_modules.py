@@ -63,15 +63,8 @@ _EMBEDDING_STYLES = {"embedding_rowwise", "embedding_colwise"}
 _NO_FORWARD = {"sequence_parallel", "replicate", "replicated_with_grad_allreduce"}
 
 
-class _TensorParallel:
-    """What every parallelized module carries: its style, the mesh and the axis."""
-
-    _fs_style: str
-    _fs_mesh: Any
-    _fs_axis: str
-
-    def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, tensor_parallel={self._fs_style!r} over {self._fs_axis!r}"
+# Every module `parallelize` changes carries its style, the mesh and the axis (`_sequence`).
+_TensorParallel = _SequenceParallel
 
 
 class TensorParallelLinear(_TensorParallel):
@@ -126,7 +119,7 @@ class TensorParallelEmbedding(_TensorParallel):
 
 def _module_class(module: nn.Module, base: type) -> type:
     cls = type(module)
-    if isinstance(module, (_TensorParallel, _SequenceParallel)):
+    if isinstance(module, _SequenceParallel):
         return cls
     return type(f"{base.__name__}[{cls.__name__}]", (base, cls), {"__module__": __name__})
 
@@ -260,7 +253,7 @@ def parallelized_modules(model: nn.Module) -> dict[str, str]:
     `"sequence_parallel"` for a norm, `"sequence_gather_input"` for an attention or MLP module)."""
     out = {}
     for name, m in model.named_modules():
-        if isinstance(m, (_TensorParallel, _SequenceParallel)):
+        if isinstance(m, _SequenceParallel):
             sequence = getattr(m, "_fs_sequence", None)
             out[name] = m._fs_style + (f"+{_SEQUENCE_NAMES[sequence]}" if sequence else "")
     return out

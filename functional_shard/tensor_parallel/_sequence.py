@@ -83,7 +83,8 @@ class Role(NamedTuple):
 
 
 class _SequenceParallel:
-    """What every module sequence parallelism changes carries: its role, the mesh and the axis."""
+    """What every module `parallelize` changes carries (tensor- or sequence-parallel): its style or
+    role, the mesh and the axis."""
 
     _fs_style: str
     _fs_mesh: Any
