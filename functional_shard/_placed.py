@@ -48,12 +48,7 @@ def resolve_placements(params: Any, rules: Any, mesh: BaseMesh) -> tuple | None:
         if not isinstance(placement, Split):
             out.append(None)
             continue
-        if placement.axis not in mesh.shape or placement.axis in mesh.data_axes:
-            raise PlacementError(
-                f"leaf {path!r} (shape {list(shape)}) is split over axis {placement.axis!r}: a placement splits a leaf "
-                f"over a model-parallel axis ('tp'); the data-parallel axes {list(mesh.data_axes)} of the "
-                f"{mesh.describe()} shard the flat buffers on their own (FSDP). Use Split(dim, 'tp')"
-            )
+        # `placements_for` refused an axis the mesh lacks and a data axis (`_checked_split`).
         if mesh.shape[placement.axis] == 1:
             out.append(None)
             continue

@@ -401,7 +401,8 @@ def update(fn: StepFunction, layout: Layout, shards, local, opt_state, loss_scal
     trainable = {spec.name: s for spec, s in zip(layout.buffers, shards) if spec.trainable}
     with _tracing.phase("update"):
         # Leaves every rank of the tensor-parallel axis holds whole count once in the norm.
-        replicated = [name in layout.replicated_buffers for name in grads] if layout.is_split else None
+        whole = layout.replicated_buffers  # a property that walks the buffers: read it once
+        replicated = [name in whole for name in grads] if whole else None
         norm = global_norm(list(grads.values()), fn.mesh, replicated=replicated) if grads else torch.zeros(())
         new_trainable, new_opt_state = fn.optimizer.apply(
             grads, opt_state, trainable, scalars, inplace=fn.donate, mesh=fn.mesh,

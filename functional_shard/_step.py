@@ -152,7 +152,11 @@ class ShardedStep:
             placements = resolve_placements(params, self.placements, self.mesh)
             full_layout, leaves = make_layout(params, self.mesh.num_shards, units=self.units, precision=self.precision)
             check_leaves(full_layout, leaves, self.mesh, meta_ok=initialize is not None)
-            layout = full_layout if placements is None else place(params, placements, self.mesh, units=self.units, precision=self.precision)[0]
+            if placements is None:
+                layout, pieces = full_layout, leaves
+            else:
+                with torch.no_grad():  # this rank's pieces: cut once, kept for the shards below
+                    layout, pieces = place(params, placements, self.mesh, units=self.units, precision=self.precision)
         except Exception as e:  # noqa: BLE001 (the other ranks must learn of it)
             error = e
         # A rank whose params or plan are refused raises its error; its peers name it at once.
@@ -168,9 +172,10 @@ class ShardedStep:
             else:
                 if values == "broadcast":
                     leaves = broadcast_from_rank0(full_layout, leaves, self.mesh)
+                    pieces = split_leaves(leaves, placements, self.mesh)  # of rank 0's values
                 elif values == "check":
                     check_same_values(full_layout, leaves, self.mesh)
-                sharded = shard_leaves(layout, split_leaves(leaves, placements, self.mesh), self.mesh)
+                sharded = shard_leaves(layout, [piece.detach() for piece in pieces], self.mesh)
             opt_state = self.optimizer.init(_trainable(sharded), leaves=LeafLayout.of_shards(layout, self.mesh.shard_index))
         loss_scale = self._fn.loss_scale.init() if self._fn.loss_scale is not None else None
         return StepState(sharded, opt_state, loss_scale, torch.tensor(seed, dtype=torch.int64), 0, self._key)
