@@ -209,6 +209,12 @@ class BaseMesh:
         """Sum of `x` over the ranks along `axes` (default: every axis). No-op for no axes."""
         raise NotImplementedError
 
+    def all_to_all_axis_flat(self, x: torch.Tensor, axis: str) -> torch.Tensor:
+        """[size * n] -> [size * n]: slice `j` of `x` goes to the rank at coordinate `j` of
+        `axis`; the result holds the slices the ranks along `axis` sent this rank, in axis order
+        (a reduce-scatter whose sum is left to the caller: `fs`'s canonical summation tree)."""
+        raise NotImplementedError(f"{type(self).__name__} has no all-to-all")
+
     def succeed_together(self, operation: str, error: BaseException | None, failure) -> None:
         """Every rank states whether its part of `operation` succeeded: raise this rank's own
         `error`, or `failure(ranks that failed)` when only others failed, so that no rank goes

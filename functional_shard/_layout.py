@@ -102,6 +102,10 @@ class Layout:
             non-negative dim) or None for a leaf every rank of the model axes holds whole; `()`
             when no leaf is split (then `shapes` are the full shapes).
         full_shapes: per leaf, its shape before the placement cut it (`()` when no leaf is split).
+        blocks: the number of canonical blocks of every buffer (`sharded_step(...,
+            canonical_chunks=G)`: `G`), or 0. With blocks, each buffer is padded to a multiple
+            of `blocks * BLOCK_ALIGN` elements whatever the number of shards, so that its
+            blocks (and each shard, a whole number of them) are the same at every layout.
     """
 
     treedef: optree.PyTreeSpec
@@ -114,6 +118,7 @@ class Layout:
     num_shards: int
     placements: tuple = ()
     full_shapes: tuple[tuple[int, ...], ...] = ()
+    blocks: int = 0
 
     def __hash__(self) -> int:
         # A step looks its traced graph up by layout on every call: hash the (possibly
@@ -135,7 +140,7 @@ class Layout:
         )
         units = ";".join(f"{b.name}={b.leaves}:{b.gather_dtype}:{b.reduce_dtype}" for b in self.buffers)
         split = ";".join(f"{i}:{p!r}" for i, p in enumerate(self.placements) if p is not None)
-        return f"{self.treedef}|{leaves}|{units}|{self.num_shards}|{split}"
+        return f"{self.treedef}|{leaves}|{units}|{self.num_shards}|{split}|{self.blocks}"
 
     def placement(self, index: int):
         """Leaf `index`'s tensor-parallel placement, or None when every rank holds it whole."""
@@ -204,6 +209,7 @@ def make_layout(
     precision: Any = None,
     placements: Sequence[Any] | None = None,
     full_shapes: Sequence[tuple[int, ...]] | None = None,
+    blocks: int = 0,
 ) -> tuple[Layout, list[torch.Tensor]]:
     """The layout of `tree` over `num_shards` shards, and its leaves (flatten order).
 
@@ -217,6 +223,8 @@ def make_layout(
         precision: an `fs.Precision` giving each leaf its gather and reduce dtypes (leaves of a
             unit that differ in them get buffers of their own; parameters of BatchNorm modules,
             as a `ModuleParams` names them, keep theirs by default); None: their own dtype.
+        blocks: canonical blocks per buffer (0: none; else a multiple of `num_shards`): every
+            buffer is padded to a multiple of `blocks * BLOCK_ALIGN` elements.
 
     Raises `LayoutError` naming the path of a leaf that is not a tensor, or that the policy
     gives no unit name (a str).
@@ -287,7 +295,7 @@ def make_layout(
                 leaves=tuple(members),
                 sizes=sizes,
                 numel=numel,
-                shard_numel=max(1, math.ceil(numel / num_shards)),
+                shard_numel=_shard_numel(numel, num_shards, blocks),
                 num_shards=num_shards,
                 gather_dtype=gather,
                 reduce_dtype=reduce,
@@ -304,8 +312,24 @@ def make_layout(
         num_shards=num_shards,
         placements=placements,
         full_shapes=tuple(tuple(s) for s in full_shapes) if placements and full_shapes is not None else (),
+        blocks=blocks,
     )
     return layout, leaves
+
+
+# Elements: a canonical block is a multiple of it, so that a shard (a whole number of blocks)
+# never ends inside a vector loop's step: an elementwise kernel then treats every element the
+# same way (vector body, never the scalar tail) at every layout.
+BLOCK_ALIGN = 64
+
+
+def _shard_numel(numel: int, num_shards: int, blocks: int) -> int:
+    if not blocks:
+        return max(1, math.ceil(numel / num_shards))
+    if blocks % num_shards:
+        raise LayoutError(f"{blocks} canonical blocks cannot be split over {num_shards} shards")
+    unit = blocks * BLOCK_ALIGN
+    return max(1, math.ceil(numel / unit)) * unit // num_shards
 
 
 def _batch_norm_leaves(tree: Any) -> list[bool]:

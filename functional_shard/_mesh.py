@@ -166,6 +166,13 @@ class Mesh(BaseMesh):
         parts = _C10D.wait_tensor(_C10D.all_to_all_single(x, splits, splits, group))
         return parts if size == 1 else parts.view(size, -1).sum(0)
 
+    def all_to_all_axis_flat(self, x: torch.Tensor, axis: str) -> torch.Tensor:
+        """`BaseMesh.all_to_all_axis_flat`: recorded as the reduce-scatter it is part of."""
+        size = self.shape[axis]
+        record("reduce_scatter")
+        splits = [x.numel() // size] * size
+        return _C10D.wait_tensor(_C10D.all_to_all_single(x, splits, splits, self._reduce_group_names[axis]))
+
     def agree(self, operation: str, value: int = 0) -> list[int]:
         """`BaseMesh.agree`, kept on the rendezvous store before any collective (`_agreement`):
         ranks in different operations, a rank that issued a collective of its own (say one

@@ -74,13 +74,13 @@ def split_leaves(leaves: Sequence[torch.Tensor], placements: Sequence | None, me
 
 
 def place(
-    params: Any, placements: tuple | None, mesh: BaseMesh, *, units: Units = None, precision: Any = None
+    params: Any, placements: tuple | None, mesh: BaseMesh, *, units: Units = None, precision: Any = None, blocks: int = 0
 ) -> tuple[Layout, list[torch.Tensor]]:
     """The layout of this rank's pieces of `params` and those pieces (flatten order): each leaf
     cut by its placement (`resolve_placements`), then laid out in flat buffers sharded over the
-    mesh's shard axis (`make_layout`). No collective."""
+    mesh's shard axis (`make_layout`; `blocks`: canonical blocks per buffer). No collective."""
     if placements is None:
-        return make_layout(params, mesh.num_shards, units=units, precision=precision)
+        return make_layout(params, mesh.num_shards, units=units, precision=precision, blocks=blocks)
     leaves, treedef = tree_flatten(params)
     pieces = split_leaves(leaves, placements, mesh)
     local_tree = tree_unflatten(treedef, pieces)
@@ -91,6 +91,7 @@ def place(
         precision=precision,
         placements=placements,
         full_shapes=[tuple(leaf.shape) for leaf in leaves],
+        blocks=blocks,
     )
 
 

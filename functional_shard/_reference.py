@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterator, NamedTuple
 import torch
 from torch._functorch.eager_transforms import _vjp_with_argnums
 
-from . import _tracing
+from . import _canonical, _tracing
 from ._collectives import ReduceScatterFlat
 from ._layout import Layout
 from ._mesh import BaseMesh
@@ -94,6 +94,7 @@ class StepFunction(NamedTuple):
     accumulate: str = "sharded"  # "sharded": reduce-scatter per micro-batch; "full": once per step
     loss_scale: Any = None  # an fs.LossScale (fp16), or None
     input_dtype: torch.dtype | None = None  # floating batch tensors are cast to it (mixed precision)
+    canonical: Any = None  # a `_canonical.Canonical`: the layout-invariant step (chunks as micro-batches)
 
 
 class Gradients(NamedTuple):
@@ -206,21 +207,30 @@ def gradients(fn: StepFunction, layout: Layout, shards, local, batch, loss_scale
     # One micro-batch with a WeightedLoss: the weights are summed over ranks between the forward
     # and the backward, whose seed is then 1 / (sum of weights) (`_weighted_seed`).
     seeded: list[torch.Tensor] = []
-    seed = (lambda extras: _weighted_seed(extras, mesh, seeded)) if fn.microbatches == 1 else None
+    canon = fn.canonical  # chunks: full gradients summed in the canonical tree (`_canonical`)
+    seed = (lambda extras: _weighted_seed(extras, mesh, seeded)) if fn.microbatches == 1 and canon is None else None
+    tree = _canonical.TreeSum(fn.microbatches) if canon is not None else None
     for index, micro in enumerate(split_microbatches(batch, fn.microbatches, fn.input_dtype)):
         with _tracing.microbatch(index if fn.microbatches > 1 else None):
-            if fn.accumulate == "full":
+            if canon is not None:
+                _canonical.reseed(canon.first + index, getattr(mesh, "device", torch.device("cpu")))
+            if fn.accumulate == "full" or canon is not None:
                 grads, local, extras = _full_gradients(fn, layout, shards, trainable, frozen_leaves, local, micro, scale, seed)
             else:
                 grads, extras = _sharded_gradients(fn, layout, shards, trainable, frozen_leaves, local, micro, scale, seed)
-        total = list(grads) if total is None else [t + g for t, g in zip(total, grads)]
+        if tree is not None:
+            tree.add(grads)
+        else:
+            total = list(grads) if total is None else [t + g for t, g in zip(total, grads)]
         losses.append(extras[0])
         weights.append(extras[1] if isinstance(extras[1], torch.Tensor) else None)
         if fn.has_aux:
             auxes.append(extras[2])
-    assert total is not None
-    if fn.accumulate == "full":
+    if tree is not None:
+        total = _reduce_full(layout, trainable, shards, tree.result(), mesh, canonical=True)
+    elif fn.accumulate == "full":
         total = _reduce_full(layout, trainable, shards, total, mesh)
+    assert total is not None
     if len({w is None for w in weights}) > 1:
         raise StepError("loss_fn returned a WeightedLoss for some micro-batches and a plain loss for others")
     with _tracing.phase("update"):
@@ -231,7 +241,11 @@ def gradients(fn: StepFunction, layout: Layout, shards, local, batch, loss_scale
             for l in losses[1:]:
                 loss_total = loss_total + l.float()
             loss = losses[0] if len(losses) == 1 else (loss_total / len(losses)).reshape(()).to(losses[0].dtype)
-            mean_loss = (mesh.all_reduce_flat(loss_total, mesh.data_axes) / count).reshape(())
+            if canon is not None:  # each chunk's loss, added in the canonical tree
+                every = _canonical.chunk_values(torch.stack([l.float() for l in losses]), mesh)
+                mean_loss = (_canonical.tree_sum(every) / count).reshape(())
+            else:
+                mean_loss = (mesh.all_reduce_flat(loss_total, mesh.data_axes) / count).reshape(())
             # x / 1 is x, bit for bit: one rank and one micro-batch skip a pass over the gradients.
             mean = {name: g / count if count != 1 else g for name, g in zip(names, total)}
         else:
@@ -240,6 +254,10 @@ def gradients(fn: StepFunction, layout: Layout, shards, local, batch, loss_scale
             if seeded:  # the backward was seeded with 1 / sums[1]: the gradient is the mean already
                 sums = seeded[0]
                 mean = dict(zip(names, total))
+            elif canon is not None:  # [w * loss, w] of each chunk, added in the canonical tree
+                pairs = torch.stack([torch.stack([l.float() * w, w]) for l, w in zip(losses, weights)])
+                sums = _canonical.tree_sum(_canonical.chunk_values(pairs, mesh))
+                mean = {name: g / sums[1].to(g.dtype) for name, g in zip(names, total)}
             else:
                 # One collective for both: [sum over ranks and micro-batches of w * loss, of w].
                 sums = mesh.all_reduce_flat(torch.stack([loss_sum, weight_sum]), mesh.data_axes)
@@ -384,11 +402,16 @@ def _full_gradients(fn: StepFunction, layout: Layout, shards, trainable, frozen_
     return [g.to(layout.buffers[k].reduce_dtype) for k, g in zip(trainable, grads)], local, extras
 
 
-def _reduce_full(layout: Layout, trainable, shards, fulls, mesh) -> list[torch.Tensor]:
-    """Reduce-scatter accumulated full gradients, each back to its shard's dtype."""
+def _reduce_full(layout: Layout, trainable, shards, fulls, mesh, canonical: bool = False) -> list[torch.Tensor]:
+    """Reduce-scatter accumulated full gradients (`canonical`: in the canonical tree), each back
+    to its shard's dtype."""
     out = []
     for k, full in zip(trainable, fulls):
-        grad = ReduceScatterFlat.apply(full.contiguous(), mesh, layout.buffers[k])
+        if canonical:
+            with _tracing.moving(layout.buffers[k]):
+                grad = _canonical.reduce(full, mesh)
+        else:
+            grad = ReduceScatterFlat.apply(full.contiguous(), mesh, layout.buffers[k])
         out.append(grad if grad.dtype == shards[k].dtype else grad.to(shards[k].dtype))
     return out
 
@@ -403,7 +426,8 @@ def update(fn: StepFunction, layout: Layout, shards, local, opt_state, loss_scal
         # Leaves every rank of the tensor-parallel axis holds whole count once in the norm.
         whole = layout.replicated_buffers  # a property that walks the buffers: read it once
         replicated = [name in whole for name in grads] if whole else None
-        norm = global_norm(list(grads.values()), fn.mesh, replicated=replicated) if grads else torch.zeros(())
+        blocks = layout.blocks // layout.num_shards if layout.blocks else 0  # canonical blocks per shard
+        norm = global_norm(list(grads.values()), fn.mesh, replicated=replicated, blocks=blocks) if grads else torch.zeros(())
         new_trainable, new_opt_state = fn.optimizer.apply(
             grads, opt_state, trainable, scalars, inplace=fn.donate, mesh=fn.mesh,
             leaves=LeafLayout.of_shards(layout, fn.mesh.shard_index),
@@ -425,6 +449,8 @@ def evaluate(fn: StepFunction, layout: Layout, shards, local, batch) -> EvalOutp
             if spec.trainable:
                 leaves.update(zip(spec.leaves, gather_buffer(layout, spec, s, mesh, differentiable=False)))
         local = tuple(t.clone() for t in local)
+        if fn.canonical is not None:
+            return _evaluate_chunks(fn, layout, leaves, local, batch)
         with _tracing.graph_semantics():
             out = fn.loss_fn(layout.assemble(leaves, local), _cast_inputs(batch, fn.input_dtype))
     _, (loss, weight, *aux) = _objective(fn, out, None)
@@ -435,6 +461,30 @@ def evaluate(fn: StepFunction, layout: Layout, shards, local, batch) -> EvalOutp
         else:
             mean = (mesh.all_reduce_flat(loss.reshape(1).float(), mesh.data_axes) / mesh.data_size).reshape(())
     return EvalOutput(local, mean, loss, aux[0] if fn.has_aux else None)
+
+
+def _evaluate_chunks(fn: StepFunction, layout: Layout, leaves, local, batch) -> EvalOutput:
+    """`evaluate` of a layout-invariant step: each canonical chunk alone, the losses added in the
+    canonical tree (the mean, weighted or not, over every chunk of the global batch)."""
+    canon, mesh, outs = fn.canonical, fn.mesh, []
+    for index, micro in enumerate(split_microbatches(batch, canon.per_rank, fn.input_dtype)):
+        _canonical.reseed(canon.first + index, getattr(mesh, "device", torch.device("cpu")))
+        with _tracing.graph_semantics():
+            out = fn.loss_fn(layout.assemble(leaves, local), micro)
+        outs.append(_objective(fn, out, None)[1])
+    with _tracing.phase("update"):
+        losses = [o[0] for o in outs]
+        if isinstance(outs[0][1], torch.Tensor):
+            pairs = torch.stack([torch.stack([o[0].float() * o[1], o[1]]) for o in outs])
+            sums = _canonical.tree_sum(_canonical.chunk_values(pairs, mesh))
+            mean = (sums[0] / sums[1]).reshape(())
+            w = sum(o[1] for o in outs[1:]) + outs[0][1]
+            loss = (sum(l.float() * o[1] for l, o in zip(losses, outs)) / w).to(losses[0].dtype)
+        else:
+            mean = (_canonical.tree_sum(_canonical.chunk_values(torch.stack([l.float() for l in losses]), mesh)) / canon.chunks).reshape(())
+            loss = (sum(l.float() for l in losses) / len(losses)).to(losses[0].dtype)
+    aux = [o[2] for o in outs] if fn.has_aux else None
+    return EvalOutput(local, mean, loss, aux if fn.has_aux and len(outs) > 1 else (aux[0] if aux else None))
 
 
 def split_loss(out: Any, has_aux: bool, mesh: BaseMesh) -> tuple[Any, Any]:

@@ -89,6 +89,10 @@ class SimulatedMesh(BaseMesh):
         return total.chunk(self.shape[axis])[self.coordinates[axis]].clone()
 
 
+    def all_to_all_axis_flat(self, x: torch.Tensor, axis: str) -> torch.Tensor:
+        mine = self.coordinates[axis]
+        return torch.cat([t.chunk(self.shape[axis])[mine] for t in self._exchange(x, (axis,))])
+
 
 def _ordered_sum(tensors: list[torch.Tensor]) -> torch.Tensor:
     total = tensors[0].clone()

@@ -16,7 +16,7 @@ import torch
 
 import contextlib
 
-from . import _nonfinite, _reference
+from . import _canonical, _nonfinite, _reference, _tracing
 from ._jit import Jit, agree
 from ._layout import Layout, make_layout
 from ._mesh import BaseMesh, MeshError, PeerError
@@ -57,6 +57,7 @@ class ShardedStep:
         microbatches: int = 1,
         nonfinite: NonFinite | str | None = None,
         placements: Any = None,
+        canonical_chunks: int | None = None,
     ):
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable; got {type(loss_fn).__name__}")
@@ -79,6 +80,8 @@ class ShardedStep:
             raise TypeError(f"precision must be an fs.Precision or None; got {type(precision).__name__}")
         if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
             raise ValueError(f"microbatches must be an int >= 1; got {microbatches!r}")
+        canonical = _canonical.resolve(canonical_chunks, mesh, microbatches)  # ValueError: not invariant here
+        microbatches = canonical.per_rank if canonical is not None else microbatches
         loss_scale = precision.loss_scale if precision is not None else None
         if loss_scale is not None and donate:
             raise StepError(
@@ -101,9 +104,10 @@ class ShardedStep:
         self.precision = precision
         self.microbatches = microbatches
         self.placements = placements
+        self.canonical = canonical
         input_dtype = precision.input_dtype() if precision is not None else None
         self._fn = StepFunction(
-            loss_fn, mesh, optimizer, has_aux, donate, microbatches, schedule.accumulate, loss_scale, input_dtype
+            loss_fn, mesh, optimizer, has_aux, donate, microbatches, schedule.accumulate, loss_scale, input_dtype, canonical
         )
         self._jit = Jit(self._train, "a training step", mesh, schedule, max_traces=max_traces)
         self._eval_jit = Jit(self._evaluate, "step.evaluate", mesh, schedule, max_traces=max_traces)
@@ -111,7 +115,14 @@ class ShardedStep:
         self._key = _StepKey(f"{name} at 0x{id(self):x} on {mesh!r}")
         # What ranks agree on before each step, with the optimizer's per-step scalars (`_jit.agree`).
         self._facts = step_facts(schedule, self.nonfinite, microbatches, loss_scale)
+        if canonical is not None:  # threads change how kernels split their sums: every rank alike
+            self._facts += (f"canonical_chunks={canonical.chunks}, torch threads={torch.get_num_threads()}",)
         self._optimizer_facts = optimizer_facts(optimizer)
+
+    @property
+    def _blocks(self) -> int:
+        """Canonical blocks per buffer (`Layout.blocks`): G with canonical_chunks, else 0."""
+        return self.canonical.chunks if self.canonical is not None else 0
 
     def __repr__(self) -> str:
         return f"ShardedStep({self._key.description}, {self.schedule})"
@@ -127,7 +138,8 @@ class ShardedStep:
                 (trainable, frozen, buffer); other floating leaves are trainable, other
                 non-floating leaves are carried like frozen ones.
             seed: the seed of the step's random numbers (dropout): step `n` on rank `r` draws
-                from a generator seeded by `(seed, n, r)`. The caller's own RNG is left as it was.
+                from a generator seeded by `(seed, n, r)` (with `canonical_chunks`, each chunk `c`
+                by `(seed, n, c)`). The caller's own RNG is left as it was.
             values: what to do about the ranks' parameter values. `"check"` (default): compare
                 a hash of every buffer's values across ranks and raise `MeshError` naming the
                 ranks and the first buffer that differ (ranks seeded differently would
@@ -150,13 +162,15 @@ class ShardedStep:
         error = None
         try:
             placements = resolve_placements(params, self.placements, self.mesh)
-            full_layout, leaves = make_layout(params, self.mesh.num_shards, units=self.units, precision=self.precision)
+            full_layout, leaves = make_layout(
+                params, self.mesh.num_shards, units=self.units, precision=self.precision, blocks=self._blocks
+            )
             check_leaves(full_layout, leaves, self.mesh, meta_ok=initialize is not None)
             if placements is None:
                 layout, pieces = full_layout, leaves
             else:
                 with torch.no_grad():  # this rank's pieces: cut once, kept for the shards below
-                    layout, pieces = place(params, placements, self.mesh, units=self.units, precision=self.precision)
+                    layout, pieces = place(params, placements, self.mesh, units=self.units, precision=self.precision, blocks=self._blocks)
         except Exception as e:  # noqa: BLE001 (the other ranks must learn of it)
             error = e
         # A rank whose params or plan are refused raises its error; its peers name it at once.
@@ -190,7 +204,7 @@ class ShardedStep:
                 `torch.device("meta")`, then `fs.functionalize`); only shapes and dtypes are read.
         """
         placements = resolve_placements(params, self.placements, self.mesh)
-        layout, leaves = place(params, placements, self.mesh, units=self.units, precision=self.precision)
+        layout, leaves = place(params, placements, self.mesh, units=self.units, precision=self.precision, blocks=self._blocks)
         shards = [torch.empty(spec.shard_numel, dtype=spec.dtype, device="meta") for spec in layout.buffers]
         local = [torch.empty(leaves[i].shape, dtype=leaves[i].dtype, device="meta") for i in layout.local]
         sharded = Sharded(layout, self.mesh, shards, local)
@@ -292,8 +306,9 @@ class ShardedStep:
         devices = [device] if device.type == "cuda" else []
         # Per data-parallel rank: ranks that differ only on the tensor-parallel axis draw the same
         # numbers (the same dropout mask on the activations they all hold); `rank` without one.
-        seed = _stream_seed(int(state.rng), state.step, self.mesh.data_rank)
-        with torch.random.fork_rng(devices=devices):
+        # A layout-invariant step reseeds per chunk from a stream the data ranks share (`_canonical`).
+        seed = _stream_seed(int(state.rng), state.step, -1 if self.canonical is not None else self.mesh.data_rank)
+        with torch.random.fork_rng(devices=devices), _tracing.random_stream(seed):
             torch.default_generator.manual_seed(seed)
             if devices:
                 torch.cuda.default_generators[device.index].manual_seed(seed)
@@ -439,6 +454,7 @@ def sharded_step(
     microbatches: int = 1,
     nonfinite: NonFinite | str | None = None,
     placements: Any = None,
+    canonical_chunks: int | None = None,
 ) -> ShardedStep:
     """Make a fully sharded (FSDP / ZeRO-3) training step for `loss_fn`.
 
@@ -482,6 +498,13 @@ def sharded_step(
             by its placement and FSDP shards the pieces over `fsdp`; `loss_fn` receives this
             rank's pieces and applies the tensor-parallel collectives (`fs.tensor_parallel`:
             `parallelize(model, rules, mesh)` does it for a module). Required with `tp` > 1.
+        canonical_chunks: make training bitwise independent of the data-parallel layout
+            (docs/reproducibility.md): the global batch is cut into this many chunks `G`, each
+            computed alone (data-parallel rank `r` of `D` runs chunks `r*G/D ... (r+1)*G/D - 1`
+            as its micro-batches), their gradients and losses added in one fixed tree, the
+            gradient norm summed per canonical block, dropout drawn per chunk. `D` must be a
+            power of two dividing `G`; gradients accumulate in full and are reduced once per
+            step (whatever the schedule's `accumulate`). None (default): off.
 
     `loss_fn` may return `fs.WeightedLoss(loss, weight)` (e.g. its count of non-ignored
     tokens) to weigh ranks and micro-batches: the step then trains on the weighted mean,
@@ -502,4 +525,5 @@ def sharded_step(
         microbatches=microbatches,
         nonfinite=nonfinite,
         placements=placements,
+        canonical_chunks=canonical_chunks,
     )

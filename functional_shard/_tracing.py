@@ -20,7 +20,10 @@ from typing import Any, Iterator, NamedTuple
 
 import torch.compiler
 
-__all__ = ["Issued", "Guard", "recording", "moving", "phase", "microbatch", "record", "guard", "graph_semantics"]
+__all__ = [
+    "Issued", "Guard", "recording", "moving", "phase", "microbatch", "record", "guard", "graph_semantics",
+    "random_stream", "random_base",
+]
 
 
 class Issued(NamedTuple):
@@ -45,6 +48,7 @@ _LOG: contextvars.ContextVar[list | None] = contextvars.ContextVar("functional_s
 _BUFFER: contextvars.ContextVar[Any] = contextvars.ContextVar("functional_shard_buffer", default=None)
 _PHASE: contextvars.ContextVar[str] = contextvars.ContextVar("functional_shard_phase", default="backward")
 _MICROBATCH: contextvars.ContextVar[int | None] = contextvars.ContextVar("functional_shard_microbatch", default=None)
+_RANDOM_BASE: contextvars.ContextVar[int | None] = contextvars.ContextVar("functional_shard_random_base", default=None)
 
 
 @contextlib.contextmanager
@@ -98,6 +102,22 @@ def microbatch(index: int | None) -> Iterator[None]:
         yield
     finally:
         _MICROBATCH.reset(token)
+
+
+@contextlib.contextmanager
+def random_stream(base: int) -> Iterator[None]:
+    """The step's random stream for the block: `functional_shard::reseed` derives each chunk's
+    seed from `base` (a layout-invariant step, `_canonical`)."""
+    token = _RANDOM_BASE.set(base)
+    try:
+        yield
+    finally:
+        _RANDOM_BASE.reset(token)
+
+
+def random_base() -> int | None:
+    """The base seed of the enclosing `random_stream`, or None."""
+    return _RANDOM_BASE.get()
 
 
 def record(kind: str) -> None:

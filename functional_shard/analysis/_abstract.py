@@ -121,6 +121,14 @@ class AbstractMesh(BaseMesh):
         record("reduce_scatter")
         return _C10D.wait_tensor(_C10D.reduce_scatter_tensor(x, "sum", size, self._group(axis)))
 
+    def all_to_all_axis_flat(self, x: torch.Tensor, axis: str) -> torch.Tensor:
+        """[size * n] -> [size * n]: slice `j` to the rank at coordinate `j` of `axis`."""
+        self._check(x, f"an all-to-all over {axis!r}")
+        size = self._axis(axis)
+        record("reduce_scatter")
+        splits = [x.numel() // size] * size
+        return _C10D.wait_tensor(_C10D.all_to_all_single(x, splits, splits, self._group(axis)))
+
 
 def abstract_state(step: ShardedStep, params: Any) -> StepState:
     """A `StepState` for `step` whose shards and optimizer state are meta tensors: shapes and

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 import optree
 import torch
 
+from .._canonical import tree_sum
 from .._shard import all_reduce
 
 if TYPE_CHECKING:  # annotations only: the mesh's class is the core's business
@@ -55,7 +56,9 @@ def global_sum(x: Any, mesh: Optional[BaseMesh]) -> Any:
     return all_reduce(x, mesh, axes=axes)
 
 
-def global_norm(tree: Any, mesh: Optional[BaseMesh], *, replicated: Optional[Sequence[bool]] = None) -> torch.Tensor:
+def global_norm(
+    tree: Any, mesh: Optional[BaseMesh], *, replicated: Optional[Sequence[bool]] = None, blocks: int = 0
+) -> torch.Tensor:
     """The 2-norm of all the tensors of a sharded pytree, as one vector (the whole model).
 
     What `torch.nn.utils.clip_grad_norm_` computes as its total norm, up to rounding:
@@ -77,6 +80,10 @@ def global_norm(tree: Any, mesh: Optional[BaseMesh], *, replicated: Optional[Seq
             whole leaves, `Layout.replicated_buffers`): their squares are counted on the
             ranks at coordinate 0 of those axes only. None: every leaf is this rank's own
             piece.
+        blocks: the canonical blocks of every leaf (a layout-invariant step's shards,
+            `LeafLayout.blocks`), or 0. With blocks, each block's sum of squares is taken
+            alone, the blocks of the shard axis are gathered, and every leaf's blocks are added
+            in the canonical tree: the same bits at any number of shards.
 
     Returns a 0-d tensor on the leaves' device, of the dtype torch's total norm has: the
     promotion of the leaves' real dtypes (float32 for float32 grads). An empty tree gives
@@ -90,14 +97,34 @@ def global_norm(tree: Any, mesh: Optional[BaseMesh], *, replicated: Optional[Seq
             what = f"a {leaf.dtype} tensor" if isinstance(leaf, torch.Tensor) else f"a {type(leaf).__name__}"
             raise TypeError(f"global_norm: leaf {i} is {what}; every leaf must be a float or complex tensor")
     dtype = functools.reduce(torch.promote_types, (leaf.dtype.to_real() for leaf in leaves))
-    squares = [torch.linalg.vector_norm(leaf, dtype=_norm_dtype(leaf)).double().square() for leaf in leaves]
+    if blocks:
+        squares = list(_block_squares(leaves, mesh, blocks))
+    else:
+        squares = [torch.linalg.vector_norm(leaf, dtype=_norm_dtype(leaf)).double().square() for leaf in leaves]
     if replicated is not None and mesh is not None and mesh.model_axes:
         if len(replicated) != len(leaves):
             raise ValueError(f"global_norm: replicated has {len(replicated)} flags for {len(leaves)} leaves")
         counted = all(mesh.coordinates[a] == 0 for a in mesh.model_axes)
         squares = [sq for sq, rep in zip(squares, replicated) if counted or not rep] or [squares[0].new_zeros(())]
-    total = global_sum(torch.stack(squares).sum(), mesh)
+    total = torch.stack(squares).sum()
+    if blocks and mesh is not None:  # summed over the shard axis already: the model axes remain
+        total = all_reduce(total, mesh, axes=mesh.model_axes) if mesh.model_axes else total
+    else:
+        total = global_sum(total, mesh)
     return total.sqrt().to(dtype)
+
+
+def _block_squares(leaves: list[torch.Tensor], mesh: Optional[BaseMesh], blocks: int) -> torch.Tensor:
+    """Per leaf, its sum of squares over the whole shard axis, as the canonical tree adds its
+    blocks' sums (float64, `[len(leaves)]`)."""
+    rows = torch.stack(
+        [torch.linalg.vector_norm(leaf.reshape(blocks, -1), dim=1, dtype=_norm_dtype(leaf)).double().square() for leaf in leaves]
+    )  # [leaves, blocks]
+    shards = mesh.num_shards if mesh is not None and mesh.shard_axis is not None else 1
+    if shards > 1:
+        every = mesh.all_gather_axis_flat(rows.reshape(-1), mesh.shard_axis).view(shards, len(leaves), blocks)
+        rows = every.permute(1, 0, 2).reshape(len(leaves), shards * blocks)
+    return tree_sum(rows.t())
 
 
 def _norm_dtype(leaf: torch.Tensor) -> Optional[torch.dtype]:

@@ -155,6 +155,9 @@ class LeafLayout:
     # Names of the tensors (buffers) every rank of the model-parallel axes holds whole, in a
     # tensor-parallel step (`Layout.replicated_buffers`): `global_norm` counts them once.
     replicated: frozenset = frozenset()
+    # Canonical blocks of each tensor (a layout-invariant step, `Layout.blocks` over the
+    # shards), or 0: `global_norm(..., blocks=)` sums their squares in the canonical tree.
+    blocks: int = 0
     # Resolved group assignments, by (groups, who asks): a cache, not part of the value.
     _plans: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
@@ -193,7 +196,8 @@ def _of_shards(layout: Layout, shard_index: int) -> LeafLayout:
                 parts.append(LeafRange(layout.paths[leaf], lo - start, hi - start))
             offset += size
         ranges[spec.name] = tuple(parts)
-    return LeafLayout(tuple(paths), tuple(shapes), ranges, layout.replicated_buffers)
+    blocks = layout.blocks // layout.num_shards if layout.blocks else 0
+    return LeafLayout(tuple(paths), tuple(shapes), ranges, layout.replicated_buffers, blocks)
 
 
 # ------------------------------------------------------------------ groups resolved
