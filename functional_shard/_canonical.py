@@ -18,15 +18,13 @@
   sums and adds them in the tree (`block_squares`); the loss metrics gather each chunk's
   loss (`chunk_values`) and add them in the tree.
 
-Random numbers are drawn per chunk: before each chunk, the step's generators are seeded from
-`(seed, step, chunk)` by the `functional_shard::reseed` op, which traced graphs hold as a node
-and replay, so that dropout masks are the same at every layout.
+Random numbers are drawn per chunk (`_random.reseed`), so that dropout masks are the same at
+every layout.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 from typing import Sequence
 
 import torch
@@ -34,7 +32,7 @@ import torch
 from . import _tracing
 from ._basemesh import BaseMesh
 
-__all__ = ["Canonical", "degrees", "resolve", "tree_sum", "TreeSum", "reduce", "chunk_values", "reseed", "chunk_seed"]
+__all__ = ["Canonical", "degrees", "resolve", "tree_sum", "TreeSum", "reduce", "chunk_values"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,30 +165,3 @@ def chunk_values(values: torch.Tensor, mesh: BaseMesh) -> torch.Tensor:
         if mesh.shape[axis] > 1:
             x = mesh.all_gather_axis_flat(x.contiguous(), axis)
     return x.view(-1, *shape)
-
-
-def chunk_seed(base: int, chunk: int) -> int:
-    """The seed of chunk `chunk`'s random numbers in the step whose stream is `base`."""
-    digest = hashlib.blake2b(f"{base}:chunk:{chunk}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
-
-
-@torch.library.custom_op("functional_shard::reseed", mutates_args=())
-def _reseed(chunk: int, device: torch.device) -> None:
-    base = _tracing.random_base()
-    if base is None:
-        raise RuntimeError("internal: functional_shard::reseed ran outside a step's random stream")
-    seed = chunk_seed(base, chunk)
-    torch.default_generator.manual_seed(seed)
-    if device.type == "cuda":
-        torch.cuda.default_generators[device.index or 0].manual_seed(seed)
-
-
-@_reseed.register_fake
-def _(chunk: int, device: torch.device) -> None:
-    return None
-
-
-def reseed(chunk: int, device: torch.device) -> None:
-    """Seed the step's generators for chunk `chunk` (eagerly, or as a node a traced step replays)."""
-    torch.ops.functional_shard.reseed(chunk, device)

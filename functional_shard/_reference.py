@@ -31,12 +31,13 @@ from typing import Any, Callable, Iterator, NamedTuple
 import torch
 from torch._functorch.eager_transforms import _vjp_with_argnums
 
-from . import _canonical, _tracing
+from . import _canonical, _random, _tracing
 from ._collectives import ReduceScatterFlat
 from ._layout import Layout
 from ._mesh import BaseMesh
 from ._pytree import tree_flatten, tree_map, tree_paths, tree_unflatten
 from ._shard import gather_buffer, gather_full
+from ._losses import StepError, WeightedLoss, check_loss, split_loss
 from .optim import LeafLayout, global_norm
 
 __all__ = [
@@ -53,33 +54,6 @@ __all__ = [
     "split_loss",
     "check_loss",
 ]
-
-
-class StepError(ValueError):
-    """A step was given a state, a batch or a loss it cannot use."""
-
-
-class WeightedLoss(NamedTuple):
-    """What `loss_fn` returns when ranks' losses weigh differently (e.g. by token count).
-
-    The step then trains on `sum_r weight_r * loss_r / sum_r weight_r` over ranks (and
-    micro-batches) — single-process training on the concatenated batch when `loss` is the
-    mean over `weight` items (non-ignored tokens, say) — instead of the plain mean of the
-    ranks' losses.
-
-    `summed=True`: `loss` is the sum over the items (`reduction="sum"`), and the step trains on
-    `sum_r loss_r / sum_r weight_r` (Hugging Face's `num_items_in_batch` convention). The same
-    training, one rounding fewer: the sum is differentiated as it is, so with one micro-batch
-    each rank's backward starts from exactly `1 / sum_r weight_r`, as single-process training
-    on `sum / total` and DDP on `sum * world / total` do, and each rank's gradient is theirs
-    bit for bit (the mean form divides by `weight` in the forward and multiplies it back in the
-    objective: `(w * (1 / W)) / w` is not always `1 / W` in floating point). Metrics report
-    the mean, `loss / weight` (0 where the weight is 0).
-    """
-
-    loss: torch.Tensor  # 0-d floating: this rank's loss, a mean over `weight` items (or their sum)
-    weight: torch.Tensor | float  # 0-d (or a number): how much it weighs; not differentiated
-    summed: bool = False  # True: `loss` is the sum over the `weight` items, not their mean
 
 
 class StepFunction(NamedTuple):
@@ -213,8 +187,8 @@ def gradients(fn: StepFunction, layout: Layout, shards, local, batch, loss_scale
     for index, micro in enumerate(split_microbatches(batch, fn.microbatches, fn.input_dtype)):
         with _tracing.microbatch(index if fn.microbatches > 1 else None):
             if canon is not None:
-                _canonical.reseed(canon.first + index, getattr(mesh, "device", torch.device("cpu")))
-            if fn.accumulate == "full" or canon is not None:
+                _random.reseed(canon.first + index, getattr(mesh, "device", torch.device("cpu")))
+            if fn.accumulate == "full":
                 grads, local, extras = _full_gradients(fn, layout, shards, trainable, frozen_leaves, local, micro, scale, seed)
             else:
                 grads, extras = _sharded_gradients(fn, layout, shards, trainable, frozen_leaves, local, micro, scale, seed)
@@ -468,7 +442,7 @@ def _evaluate_chunks(fn: StepFunction, layout: Layout, leaves, local, batch) -> 
     canonical tree (the mean, weighted or not, over every chunk of the global batch)."""
     canon, mesh, outs = fn.canonical, fn.mesh, []
     for index, micro in enumerate(split_microbatches(batch, canon.per_rank, fn.input_dtype)):
-        _canonical.reseed(canon.first + index, getattr(mesh, "device", torch.device("cpu")))
+        _random.reseed(canon.first + index, getattr(mesh, "device", torch.device("cpu")))
         with _tracing.graph_semantics():
             out = fn.loss_fn(layout.assemble(leaves, local), micro)
         outs.append(_objective(fn, out, None)[1])
@@ -485,33 +459,3 @@ def _evaluate_chunks(fn: StepFunction, layout: Layout, leaves, local, batch) -> 
             loss = (sum(l.float() for l in losses) / len(losses)).to(losses[0].dtype)
     aux = [o[2] for o in outs] if fn.has_aux else None
     return EvalOutput(local, mean, loss, aux if fn.has_aux and len(outs) > 1 else (aux[0] if aux else None))
-
-
-def split_loss(out: Any, has_aux: bool, mesh: BaseMesh) -> tuple[Any, Any]:
-    """`(loss, aux)` from what `loss_fn` returned (the loss a tensor or a `WeightedLoss`)."""
-    if has_aux:
-        if isinstance(out, WeightedLoss) or not (isinstance(out, tuple) and len(out) == 2):
-            raise StepError(
-                f"with has_aux=True, loss_fn must return (loss, aux); it returned {type(out).__name__} on rank {mesh.rank}"
-            )
-        return out
-    return out, None
-
-
-def check_loss(loss: Any, has_aux: bool, mesh: BaseMesh, out: Any) -> None:
-    """Raise `StepError` unless `loss` is a 0-d floating tensor."""
-    if not isinstance(loss, torch.Tensor) or loss.ndim != 0 or not loss.dtype.is_floating_point:
-        got = (
-            f"a tensor of shape {list(loss.shape)} and dtype {str(loss.dtype).removeprefix('torch.')}"
-            if isinstance(loss, torch.Tensor)
-            else f"a {type(loss).__name__}"
-        )
-        hint = (
-            " (return (loss, aux) with has_aux=True to carry other values, or fs.WeightedLoss(loss, weight))"
-            if not has_aux and isinstance(out, tuple)
-            else ""
-        )
-        raise StepError(
-            f"loss_fn must return a scalar: a 0-d floating tensor, e.g. loss.mean(); on rank {mesh.rank} it "
-            f"returned {got}{hint}"
-        )

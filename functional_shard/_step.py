@@ -9,14 +9,11 @@ mutated (unless donated).
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any, Callable
 
 import torch
 
-import contextlib
-
-from . import _canonical, _nonfinite, _reference, _tracing
+from . import _canonical, _nonfinite, _random, _reference
 from ._jit import Jit, agree
 from ._layout import Layout, make_layout
 from ._mesh import BaseMesh, MeshError, PeerError
@@ -107,8 +104,9 @@ class ShardedStep:
         self.canonical = canonical
         input_dtype = precision.input_dtype() if precision is not None else None
         self._fn = StepFunction(
-            loss_fn, mesh, optimizer, has_aux, donate, microbatches, schedule.accumulate, loss_scale, input_dtype, canonical
-        )
+            loss_fn, mesh, optimizer, has_aux, donate, microbatches,
+            "full" if canonical is not None else schedule.accumulate, loss_scale, input_dtype, canonical,
+        )  # fmt: skip
         self._jit = Jit(self._train, "a training step", mesh, schedule, max_traces=max_traces)
         self._eval_jit = Jit(self._evaluate, "step.evaluate", mesh, schedule, max_traces=max_traces)
         name = getattr(loss_fn, "__qualname__", type(loss_fn).__name__)
@@ -247,7 +245,7 @@ class ShardedStep:
                 agree(self.mesh, "a training step", facts)
                 with torch.no_grad():
                     out = self._train(sharded.layout, sharded.shards, rest, batch)
-                moved = _eager_bytes(sharded.layout, self.microbatches, self.schedule.accumulate)
+                moved = _eager_bytes(sharded.layout, self.microbatches, self._fn.accumulate)
             else:
                 out, compiled = self._jit.run(sharded.layout, sharded.shards, rest, batch, facts)
                 moved = compiled.all_gather_bytes, compiled.reduce_scatter_bytes
@@ -297,22 +295,10 @@ class ShardedStep:
     def _evaluate(self, layout: Layout, shards, rest, batch):
         return _reference.evaluate(self._fn, layout, shards, rest[0], batch)
 
-    @contextlib.contextmanager
     def _random_stream(self, state: StepState):
-        """Torch's generators seeded for this step and rank, restored afterwards: the CPU one
-        and, on a CUDA mesh, its device's (what `torch.manual_seed` seeds there, without
-        queueing a seed for every other device type: ~1 ms a step)."""
-        device = getattr(self.mesh, "device", torch.device("cpu"))
-        devices = [device] if device.type == "cuda" else []
-        # Per data-parallel rank: ranks that differ only on the tensor-parallel axis draw the same
-        # numbers (the same dropout mask on the activations they all hold); `rank` without one.
-        # A layout-invariant step reseeds per chunk from a stream the data ranks share (`_canonical`).
-        seed = _stream_seed(int(state.rng), state.step, -1 if self.canonical is not None else self.mesh.data_rank)
-        with torch.random.fork_rng(devices=devices), _tracing.random_stream(seed):
-            torch.default_generator.manual_seed(seed)
-            if devices:
-                torch.cuda.default_generators[device.index].manual_seed(seed)
-            yield
+        """This step's random stream (`_random.stream`): per data-parallel rank, or per chunk."""
+        rank = None if self.canonical is not None else self.mesh.data_rank
+        return _random.stream(int(state.rng), state.step, rank, getattr(self.mesh, "device", torch.device("cpu")))
 
     def _metrics(self, mean_loss, loss, aux, all_gather_bytes: int, reduce_scatter_bytes: int) -> dict[str, Any]:
         metrics: dict[str, Any] = {
@@ -360,7 +346,7 @@ class ShardedStep:
             )
         shards = [grads.get(spec.name, torch.zeros_like(s)) for spec, s in zip(sharded.layout.buffers, sharded.shards)]
         grads_sharded = sharded.replace(shards=shards, local=[torch.zeros_like(t) for t in sharded.local])
-        return grads_sharded, self._metrics(mean_loss, loss, aux, *_eager_bytes(sharded.layout, self.microbatches, self.schedule.accumulate))
+        return grads_sharded, self._metrics(mean_loss, loss, aux, *_eager_bytes(sharded.layout, self.microbatches, self._fn.accumulate))
 
     # --- what the jit did ----------------------------------------------------------------------
 
@@ -427,12 +413,6 @@ def _eager_bytes(layout: Layout, microbatches: int = 1, accumulate: str = "shard
     trainable = sum(b.nbytes for b in layout.buffers if b.trainable)
     scattered = sum(b.reduce_nbytes for b in layout.buffers if b.trainable)
     return frozen + microbatches * trainable, scattered * (microbatches if accumulate == "sharded" else 1)
-
-
-def _stream_seed(seed: int, step: int, rank: int) -> int:
-    """The seed of step `step` on rank `rank`: a hash of the three, so streams do not overlap."""
-    digest = hashlib.blake2b(f"{seed}:{step}:{rank}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
 
 
 def _trainable(sharded: Sharded) -> dict[str, torch.Tensor]:
