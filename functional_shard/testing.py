@@ -21,8 +21,9 @@ from ._failures import Failure, FailureKind, RankError, first_cause
 from ._mesh import init_mesh
 from ._simulated import SimulatedMesh, _Rendezvous
 from ._pool import WorkerPool
+from ._compare import Difference, LayoutComparison, compare_layouts
 
-__all__ = ["LocalWorld", "SimulatedWorld"]
+__all__ = ["LocalWorld", "SimulatedWorld", "compare_layouts", "LayoutComparison", "Difference"]
 
 
 def _join_mesh(axes: dict[str, int], collective_timeout: float):
