@@ -1,0 +1,271 @@
+"""Tensor parallelism with the same bits at every `tp` degree: a canonical cut of the split dimensions.
+
+At `tp = T` a row-parallel Linear adds `T` partial products (an all-reduce whose order depends on
+`T`), a column-parallel Linear's input gradient adds `T` partial products likewise (the backward
+all-reduce of `copy_to`), the vocabulary-parallel loss adds `T` partial sums of `exp`, and even
+the rank-local matrix products change bits with `T`: BLAS picks its kernel by the operands'
+shapes (a `[512, 1024] x [1024, 128]` product does not give the columns of the `[.., 256]` one),
+and so does a bias gradient's sum over tokens.
+
+`parallelize_canonical(model, rules, mesh, blocks=B)` runs every split Linear as `B` virtual
+ranks whatever `T` is (a power of two dividing `B`, `T = 1` included): a rank computes its
+`B / T` canonical blocks of the split dimension one matrix product each, always of the same
+shape, and the blocks' contributions meet in `_canonical.tree_sum`'s fixed tree: the rank's own
+blocks first, then the `T` ranks' partial sums, all-gathered over the axis and added in rank
+order (the tree over `B` restricted to a rank's blocks is the tree over them).
+
+- column-parallel (`colwise`, `packed_colwise`, `colwise_rep`, `colwise_gather_output`): the
+  output columns in `B` blocks (of every chunk of a fused weight), each `F.linear(x, w_j, b_j)`;
+  backward: each block's input gradient `g_j @ w_j`, added in the tree (`_FanOut`), instead of
+  `copy_to`'s all-reduce. Weight and bias gradients are per block, as computed.
+- row-parallel (`rowwise`, `packed_rowwise`, `rowwise_rep`, `rowwise_split_input`): the input
+  features in `B` blocks, each `F.linear(x_j, w_j)`, added in the tree (`_TreeReduce`) instead of
+  `reduce_from`'s all-reduce, then the bias; backward: each block's gradients, no sum over `B`.
+- `vocab_parallel_cross_entropy(..., blocks=B)`: the sum of `exp` per vocabulary block, added
+  in the tree. The vocabulary-parallel embedding needs nothing: its all-reduce adds zeros.
+
+What stays outside (see docs/reproducibility.md): the global gradient norm (and so clipping)
+sums squares over each rank's buffer of pieces; dropout inside the split section (attention
+weights on local heads) draws masks for `n_head / T` heads from a stream the `tp` ranks share;
+sequence parallelism is refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .._basemesh import BaseMesh
+from .._canonical import degrees, tree_sum
+from ._collectives import gather_along, scatter_along
+from ._modules import _COLWISE, _COLWISE_GATHERED, _LINEAR_STYLES, _ROWWISE, _ROWWISE_SPLIT_INPUT, parallelize
+from ._placement import PlacementError, Split, _as_rules, placements_for
+
+__all__ = ["parallelize_canonical", "vocab_parallel_cross_entropy", "CanonicalLinear"]
+
+
+def _size(mesh: BaseMesh, axis: str) -> int:
+    return mesh.shape[axis] if axis in mesh.axis_names else 1
+
+
+def _check(blocks: int, size: int, axis: str) -> int:
+    """Blocks per rank; a ValueError where `size` ranks cannot give `blocks`' bits."""
+    if not isinstance(blocks, int) or isinstance(blocks, bool) or blocks < 1 or blocks & (blocks - 1):
+        raise ValueError(f"blocks must be a power of two >= 1 (the largest tp degree to give the same bits at); got {blocks!r}")
+    if size not in degrees(blocks):
+        raise ValueError(
+            f"blocks={blocks} cannot give the same bits at {axis}={size}: the degree must be a power of two dividing "
+            f"blocks, one of {degrees(blocks)}; pick blocks as the largest degree you will run at"
+        )
+    return blocks // size
+
+
+def _gather_tree(local: torch.Tensor, mesh: BaseMesh, axis: str) -> torch.Tensor:
+    """The tree sum over the ranks of `axis` (rank order) of every rank's `local`."""
+    size = _size(mesh, axis)
+    if size == 1:
+        return local
+    every = mesh.all_gather_axis_flat(local.contiguous().view(-1), axis)
+    return tree_sum(every.view(size, *local.shape))
+
+
+class _TreeReduce(torch.autograd.Function):
+    """Forward: `parts` (`[n, ...]`, this rank's `n` canonical blocks' addends, block-major, in
+    runs of `chunks` per block) added in the canonical tree, then every rank's sum all-gathered
+    over `axis` and added in the tree (replaces `reduce_from`'s all-reduce). Backward: the
+    output's gradient (replicated over `axis`) for every addend (`_FanOut`)."""
+
+    @staticmethod
+    def forward(parts: torch.Tensor, mesh: BaseMesh, axis: str) -> torch.Tensor:
+        return _gather_tree(tree_sum(parts), mesh, axis)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        ctx.count, ctx.mesh, ctx.axis = inputs[0].shape[0], inputs[1], inputs[2]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _FanOut.apply(grad, ctx.count, ctx.mesh, ctx.axis), None, None
+
+
+class _FanOut(torch.autograd.Function):
+    """Forward: `x` (replicated over `axis`) as `count` views, `[count, ...]`, one per canonical
+    block that reads it (replaces `copy_to`). Backward: the blocks' gradients added in the
+    canonical tree, then over the ranks of `axis` (`_TreeReduce`)."""
+
+    @staticmethod
+    def forward(x: torch.Tensor, count: int, mesh: BaseMesh, axis: str) -> torch.Tensor:
+        return x.unsqueeze(0).expand(count, *x.shape)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        ctx.mesh, ctx.axis = inputs[2], inputs[3]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _TreeReduce.apply(grad, ctx.mesh, ctx.axis), None, None, None
+
+
+class CanonicalLinear:
+    """An `nn.Linear` split over `tp` computed as `blocks` canonical blocks at every degree (the
+    class `parallelize_canonical` gives it is a subclass of the module's class and of this one).
+    `_fs_chunks`: the fused blocks of its split dimension (`Split.chunks`)."""
+
+    _fs_style: str
+    _fs_mesh: Any
+    _fs_axis: str
+    _fs_blocks: int
+    _fs_chunks: int
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, tensor_parallel={self._fs_style!r} over {self._fs_axis!r} in {self._fs_blocks} canonical blocks"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        style, mesh, axis = self._fs_style, self._fs_mesh, self._fs_axis
+        n = self._fs_blocks // _size(mesh, axis)
+        if style in _COLWISE or style in _COLWISE_GATHERED:
+            y = _column(x, self.weight, self.bias, n, self._fs_chunks, mesh, axis)
+            if style in _COLWISE_GATHERED and _size(mesh, axis) > 1:
+                y = gather_along(y, -1, mesh, axis, grad="split")
+            return y
+        if style in _ROWWISE_SPLIT_INPUT and _size(mesh, axis) > 1:
+            x = scatter_along(x, -1, mesh, axis)
+        y = _row(x, self.weight, n, self._fs_chunks, mesh, axis)
+        return y if self.bias is None else y + self.bias
+
+
+def _column(x, weight, bias, n: int, chunks: int, mesh: BaseMesh, axis: str) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` of this rank's output columns (`chunks` fused blocks of them,
+    each cut in `n`), one product per (block, chunk); the input's gradient added in the tree."""
+    rows = weight.shape[0] // (chunks * n)
+    pieces = weight.view(chunks, n, rows, weight.shape[1])
+    biases = bias.view(chunks, n, rows) if bias is not None else None
+    copies = _FanOut.apply(x, n * chunks, mesh, axis).unbind(0)  # block-major: (j, c) at j * chunks + c
+    outs = [
+        [F.linear(copies[j * chunks + c], pieces[c, j], None if biases is None else biases[c, j]) for j in range(n)]
+        for c in range(chunks)
+    ]
+    return torch.cat([o for chunk in outs for o in chunk], dim=-1)  # chunk-major, as the local weight's rows
+
+
+def _row(x, weight, n: int, chunks: int, mesh: BaseMesh, axis: str) -> torch.Tensor:
+    """The sum over every rank's input features of `F.linear(x, weight)` (no bias), one product
+    per (block, chunk) of this rank's features, added in the canonical tree."""
+    width = weight.shape[1] // (chunks * n)
+    inputs = x.split(width, dim=-1)  # chunk-major: (c, j) at c * n + j
+    pieces = weight.split(width, dim=1)
+    parts = [F.linear(inputs[c * n + j], pieces[c * n + j]) for j in range(n) for c in range(chunks)]
+    return _TreeReduce.apply(torch.stack(parts), mesh, axis)
+
+
+def _plain_class(module: nn.Module) -> type:
+    for cls in type(module).__mro__:
+        if not cls.__module__.startswith("functional_shard.tensor_parallel"):
+            return cls
+    raise AssertionError("unreachable: nn.Module is in every module's mro")
+
+
+def parallelize_canonical(model: nn.Module, rules: Iterable[Any], mesh: Any, *, blocks: int, axis: str = "tp") -> nn.Module:
+    """`parallelize(model, rules, mesh)` whose split Linears give the same bits at every degree of
+    `axis` that divides `blocks` (in place; `mesh` may have `axis` of size 1, or none: `tp = 1`).
+
+    Arguments:
+        model: the model (its parameters whole, as for `parallelize`).
+        rules: its placement rules with styles (`gpt_rules(config)`, `hf_rules(model)`).
+        mesh: the mesh the step runs on.
+        blocks: the canonical blocks of every split dimension: the largest degree of `axis` to
+            give the same bits at (a power of two; every split dimension, of every fused chunk,
+            must divide by it: the placements are checked at `axis = blocks`).
+        axis: the tensor-parallel axis.
+
+    Returns `model`. Compute the loss of vocabulary-split logits with this module's
+    `vocab_parallel_cross_entropy(..., blocks=blocks)`. Raises ValueError for a degree that
+    does not divide `blocks`, `PlacementError` for a leaf `blocks` cannot cut.
+    """
+    rules = _as_rules(rules)
+    size = _size(mesh, axis)
+    _check(blocks, size, axis)
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    canonical_shape = {**dict(mesh.shape), axis: blocks}
+    placements = placements_for(shapes, rules, canonical_shape)  # every degree up to `blocks` cuts alike
+    names = {id(p): name for name, p in model.named_parameters()}
+    linears: dict[str, tuple[str, Split]] = {}
+    for name, module in model.named_modules():
+        weight = module._parameters.get("weight") if isinstance(module, nn.Linear) else None
+        if weight is None:
+            continue
+        path = f"{name}.weight" if name else "weight"
+        placement = placements.get(names.get(id(weight), path))
+        style = next((r.style for r in rules if r.matches(path, tuple(weight.shape))), None)
+        if style in _LINEAR_STYLES and isinstance(placement, Split) and placement.axis == axis:
+            linears[name] = (style, placement)
+    plain = {name: _plain_class(m) for name, m in model.named_modules() if name in linears}
+    if size > 1:  # the embeddings (and nothing else: the Linears' styles are taken off)
+        loose = [dataclasses.replace(r, style=None) if r.style in _LINEAR_STYLES else r for r in rules]
+        parallelize(model, loose, mesh)
+    modules = dict(model.named_modules())
+    for name, (style, placement) in linears.items():
+        module = modules[name]
+        if module.weight.shape[placement.dim] % (placement.chunks * blocks):
+            raise PlacementError(f"{name}: dimension {placement.dim} of {tuple(module.weight.shape)} cannot be cut in {blocks} blocks")
+        module.__class__ = type(f"CanonicalLinear[{plain[name].__name__}]", (CanonicalLinear, plain[name]), {"__module__": __name__})
+        module._fs_style, module._fs_mesh, module._fs_axis = style, mesh, axis
+        module._fs_blocks, module._fs_chunks = blocks, placement.chunks
+    return model
+
+
+def vocab_parallel_cross_entropy(
+    local_logits: torch.Tensor,
+    targets: torch.Tensor,
+    mesh: BaseMesh,
+    axis: str = "tp",
+    *,
+    blocks: int,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+) -> torch.Tensor:
+    """`fs.tensor_parallel.vocab_parallel_cross_entropy` with the same bits at every degree of
+    `axis` dividing `blocks`: the sum of `exp` is taken per canonical block of the vocabulary
+    (`V / blocks` entries) and added in the canonical tree (the max and the target's logit are
+    exact at any cut). One all-gather of one float per token and rank (the max), one of
+    `2 * blocks / T` floats per token and rank (the sums).
+
+    Arguments: as `fs.tensor_parallel.vocab_parallel_cross_entropy`; `blocks`: the canonical
+    blocks of the vocabulary (`parallelize_canonical`'s). Returns fp32.
+    """
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"vocab_parallel_cross_entropy(reduction=...) is 'mean', 'sum' or 'none'; got {reduction!r}")
+    size = _size(mesh, axis)
+    n = _check(blocks, size, axis)
+    local_vocab = local_logits.shape[-1]
+    if local_vocab % n:
+        raise ValueError(f"vocab_parallel_cross_entropy: {local_vocab} local logits cannot be cut in {n} blocks (blocks={blocks}, {axis}={size})")
+    start = (mesh.coordinates[axis] if size > 1 else 0) * local_vocab
+    logits = local_logits.float()
+    local_max = logits.detach().amax(-1)
+    if size > 1:
+        everyone = mesh.all_gather_axis_flat(local_max.contiguous().view(-1), axis)
+        largest = everyone.view(size, -1).amax(0).view(local_max.shape)
+    else:
+        largest = local_max
+    shifted = logits - largest.unsqueeze(-1)
+    mine = (targets >= start) & (targets < start + local_vocab)
+    index = torch.where(mine, targets - start, torch.zeros_like(targets))
+    picked = shifted.gather(-1, index.unsqueeze(-1)).squeeze(-1)
+    picked = torch.where(mine, picked, torch.zeros_like(picked))
+    sums = shifted.exp().unflatten(-1, (n, local_vocab // n)).sum(-1).movedim(-1, 0)  # [n, ...]
+    # The target's logit goes in with block 0's sum, zeros with the others (adding zeros is exact).
+    first = (torch.arange(n, device=picked.device) == 0).to(picked.dtype).view(n, *[1] * picked.dim())
+    total = _TreeReduce.apply(torch.stack([sums, first * picked], dim=1), mesh, axis)
+    loss = total[0].log() - total[1]
+    kept = targets != ignore_index
+    loss = torch.where(kept, loss, torch.zeros_like(loss))
+    if reduction == "none":
+        return loss
+    if reduction == "sum":
+        return loss.sum()
+    return loss.sum() / kept.sum()
