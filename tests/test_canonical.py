@@ -3,9 +3,9 @@ bits at any data-parallel layout, on real gloo processes.
 
 - `fs.models.GPT` with dropout, fp32, AdamW with clipping, G = 8: every parameter, optimizer
   moment, per-step mean loss and grad norm, and `step.evaluate`'s loss bit-identical at world
-  sizes 1, 2 and 4 (traced), and eager at world size 1;
+  sizes 1 and 2 (eager) and 4 (traced);
 - a Hugging Face Llama (padding, `-100` labels, `fs.WeightedLoss` by token count) in bf16 mixed
-  precision: the same at world size 1 and at `{"replicate": 2, "fsdp": 2}`;
+  precision: the same at world size 1 (eager) and at `{"replicate": 2, "fsdp": 2}` (traced);
 - without `canonical_chunks` the bits differ between world sizes 1 and 2 (these tests can fail);
 - the law the invariance rests on, property-tested: `tree_sum` over G values equals the tree of
   the D ranks' partial sums (`TreeSum` over each rank's block) for every D of `degrees(G)`, and
@@ -23,7 +23,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import functional_shard as fs
@@ -206,29 +206,30 @@ def assert_same(reference: dict, other: dict, label: str) -> None:
 
 def test_gpt_dropout_same_bits_at_1_2_4_ranks_traced_and_eager(local_world):
     """GPT with dropout 0.1, fp32, clip + AdamW, G = 8, 3 steps: world sizes 1 (8 micro-batches),
-    2 and 4 traced, and 1 eager, give the same parameters, moments, losses, norms, eval loss."""
-    reference = joined(local_world(1).run(train, "gpt", "fp32", 3, True))
+    2 and 4 give the same parameters, moments, losses, norms and eval loss, eager and traced
+    (traced at 4 ranks here, where a trace is cheapest; every layout traced in the soak)."""
+    reference = joined(local_world(1).run(train, "gpt", "fp32", 3, False))
     assert len(reference["params"]) > 0 and len(reference["opt"]) > 0
     assert reference["norms"][0] > 0.5  # clipping acts (the threshold is 0.5)
-    assert_same(reference, joined(local_world(1).run(train, "gpt", "fp32", 3, False)), "world 1 eager")
-    for n in (2, 4):
-        assert_same(reference, joined(local_world(n).run(train, "gpt", "fp32", 3, True)), f"world {n}")
+    assert_same(reference, joined(local_world(2).run(train, "gpt", "fp32", 3, False)), "world 2 eager")
+    assert_same(reference, joined(local_world(4).run(train, "gpt", "fp32", 3, True)), "world 4 traced")
 
 
 def test_llama_bf16_weighted_padding_same_bits_at_1_and_replicate2_fsdp2(local_world):
     """Hugging Face Llama, bf16 params / fp32 reduce, padding, -100 labels, fs.WeightedLoss,
-    clip + AdamW, G = 8, 3 steps: world size 1 and {"replicate": 2, "fsdp": 2} agree bitwise."""
-    reference = joined(local_world(1).run(train, "llama", "bf16", 3))
+    clip + AdamW, G = 8, 3 steps: world size 1 (eager) and {"replicate": 2, "fsdp": 2} (traced)
+    agree bitwise."""
+    reference = joined(local_world(1).run(train, "llama", "bf16", 3, False))
     with fs.testing.LocalWorld(4, axes={"replicate": 2, "fsdp": 2}, collective_timeout=60.0) as world:
-        hybrid = joined(world.run(train, "llama", "bf16", 3))
-    assert_same(reference, hybrid, 'world {"replicate": 2, "fsdp": 2}')
+        hybrid = joined(world.run(train, "llama", "bf16", 3, True))
+    assert_same(reference, hybrid, 'world {"replicate": 2, "fsdp": 2} traced')
 
 
 def test_without_canonical_chunks_bits_differ_between_1_and_2_ranks(local_world):
     """The control: the default step (no canonical_chunks, no dropout) is not layout-invariant,
     so the tests above can fail."""
-    one = joined(local_world(1).run(train, "gpt", "fp32", 3, True, None, None, 0.0))
-    two = joined(local_world(2).run(train, "gpt", "fp32", 3, True, None, None, 0.0))
+    one = joined(local_world(1).run(train, "gpt", "fp32", 3, False, None, None, 0.0))
+    two = joined(local_world(2).run(train, "gpt", "fp32", 3, False, None, None, 0.0))
     diffs = differences(one, two)
     assert any(d.startswith("parameter") for d in diffs), diffs
 
@@ -291,15 +292,14 @@ LAYOUTS = [({"fsdp": 1}, 1), ({"fsdp": 2}, 2), ({"fsdp": 4}, 4), ({"replicate": 
            ({"replicate": 2, "fsdp": 4}, 8), ({"replicate": 4}, 4)]  # fmt: skip
 
 
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=10, deadline=None)
 @given(chunks=AWKWARD, layout=st.sampled_from(LAYOUTS), seed=st.integers(0, 2**31 - 1))
 def test_reduce_and_chunk_values_give_the_tree_on_a_simulated_mesh(chunks, layout, seed):
     """On thread meshes: the shards `reduce` leaves, joined in shard order, are tree_sum of every
     chunk's row; `chunk_values` gives every chunk's values in chunk order (layouts whose degree
     divides G)."""
     axes, size = layout
-    if chunks % size:
-        return
+    assume(chunks % size == 0)
     results = fs.testing.SimulatedWorld(size, axes=axes).run(_reduce_on_rank, chunks, seed)
     rows = _rows(chunks, 64 * chunks, seed)
     whole = _canonical.tree_sum(rows)
