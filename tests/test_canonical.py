@@ -20,7 +20,6 @@ kernels split their sums, hence the bits (the step's facts name the count).
 
 from __future__ import annotations
 
-import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import assume, given, settings
@@ -67,7 +66,8 @@ def build(model: str, dropout: float):
         logits = apply_fn(p, input_ids=ids, attention_mask=mask).logits[:, :-1].float()
         target = labels[:, 1:]
         n = (target != -100).sum()
-        total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100, reduction="sum")
+        flat = logits.reshape(-1, logits.shape[-1])
+        total = F.cross_entropy(flat, target.reshape(-1), ignore_index=-100, reduction="sum")
         return fs.WeightedLoss(total / n, n)
 
     return params, loss_fn
@@ -137,7 +137,8 @@ def train(
             "eval": evaluated,
             "params": [t.detach().clone() for _, t in full] if full is not None else None,
             "names": [name for name, _ in full] if full is not None else None,
-            "opt": [t.detach().clone() for t in fs.tree_leaves(state.opt_state) if isinstance(t, torch.Tensor)],
+            "opt": [t.detach().clone() for t in fs.tree_leaves(state.opt_state)],
+            "opt_names": fs.tree_paths(state.opt_state),
             "shard": mesh.shard_index,
             "shards": mesh.num_shards,
         }
@@ -155,7 +156,8 @@ def joined(results: list[dict]) -> dict:
     first = results[0]
     for r, res in enumerate(results[1:], 1):
         for key in ("losses", "norms"):
-            assert all(torch.equal(a, b) for a, b in zip(first[key], res[key])), f"rank {r}'s {key} differ from rank 0's"
+            same = all(torch.equal(a, b) for a, b in zip(first[key], res[key]))
+            assert same, f"rank {r}'s {key} differ from rank 0's"
         assert torch.equal(first["eval"], res["eval"]), f"rank {r}'s evaluate loss differs from rank 0's"
     by_shard: dict[int, list[torch.Tensor]] = {}
     for r, res in enumerate(results):
@@ -167,12 +169,12 @@ def joined(results: list[dict]) -> dict:
     assert sorted(by_shard) == list(range(first["shards"]))
     parts = [by_shard[s] for s in range(first["shards"])]
     opt = [t if t.dim() == 0 else torch.cat(pieces) for t, *pieces in zip(parts[0], *parts)]
-    # a 0-d leaf (the step count) is the same on every shard: keep one (checked in `differences`)
+    # a 0-d leaf (the step count) is the same on every shard: keep one, checked here
     for s, part in enumerate(parts[1:], 1):
         for k, (a, b) in enumerate(zip(parts[0], part)):
             if a.dim() == 0:
                 assert torch.equal(a, b), f"optimizer leaf {k} (0-d) differs between shard 0 and shard {s}"
-    return {**{k: first[k] for k in ("losses", "norms", "eval", "params", "names")}, "opt": opt}
+    return {**{k: first[k] for k in ("losses", "norms", "eval", "params", "names", "opt_names")}, "opt": opt}
 
 
 def differences(a: dict, b: dict) -> list[str]:
@@ -186,13 +188,15 @@ def differences(a: dict, b: dict) -> list[str]:
             out.append(f"grad_norm of step {i}: {x.item()!r} vs {y.item()!r}")
     if not torch.equal(a["eval"], b["eval"]):
         out.append(f"evaluate loss: {a['eval'].item()!r} vs {b['eval'].item()!r}")
-    assert len(a["params"]) == len(b["params"]) and len(a["opt"]) == len(b["opt"])
+    assert a["names"] == b["names"] and a["opt_names"] == b["opt_names"]
     for name, x, y in zip(a["names"], a["params"], b["params"]):
         if not torch.equal(x, y):
             out.append(f"parameter {name}: max |diff| {(x.double() - y.double()).abs().max().item():.3g}")
-    for k, (x, y) in enumerate(zip(a["opt"], b["opt"])):
-        if x.shape != y.shape or not torch.equal(x, y):
-            out.append(f"optimizer leaf {k} {tuple(x.shape)} vs {tuple(y.shape)}")
+    for name, x, y in zip(a["opt_names"], a["opt"], b["opt"]):
+        if x.shape != y.shape:
+            out.append(f"optimizer leaf {name}: shape {tuple(x.shape)} vs {tuple(y.shape)}")
+        elif not torch.equal(x, y):
+            out.append(f"optimizer leaf {name}: max |diff| {(x.double() - y.double()).abs().max().item():.3g}")
     return out
 
 
@@ -243,7 +247,8 @@ AWKWARD = st.sampled_from([1, 3, 6, 12, 24])
 def _rows(chunks: int, width: int, seed: int) -> torch.Tensor:
     """Float32 values over many magnitudes, so that the order of their sum changes its bits."""
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(chunks, width, generator=g) * torch.exp2(torch.randint(-20, 20, (chunks, width), generator=g).float())
+    scales = torch.exp2(torch.randint(-20, 20, (chunks, width), generator=g).float())
+    return torch.randn(chunks, width, generator=g) * scales
 
 
 def _local_tree(rows: torch.Tensor) -> torch.Tensor:
