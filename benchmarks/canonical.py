@@ -22,8 +22,12 @@ initial weights and stepped on the same batches:
                           `microbatches=G/D`, `Schedule(accumulate="full")`: the canonical step's
                           computation and memory without its tree, all-to-all and per-chunk metrics
                           (full gradients summed left to right, one reduce-scatter per unit at the end)
-  (--breakdown) canonical G, eager / default, eager
-                          `Schedule(trace=False)`: the eager reference of each, no overlap anywhere
+  (--breakdown) canonical G, gathered once
+                          `canonical_chunks=G` with `Schedule(reshard_after_forward=False,
+                          reshard_after_backward=False)`: each unit gathered once per step, not once
+                          per chunk (the same bits: a schedule never changes them)
+  (--arms) canonical G, eager / default, eager
+                          `Schedule(trace=False)`: the eager reference of each
 
 Protocol (as benchmarks/compare.py): `--warmup` untimed steps (the first traces), then `--steps`
 timed steps interleaved step by step across the arms, the order rotating every step; a step's
@@ -52,6 +56,8 @@ import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
 import functional_shard as fs
+from functional_shard import _canonical  # private: the breakdown times the mode's pieces alone
+from functional_shard.optim._global import global_norm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _arms import Hyper  # noqa: E402  (benchmarks/ is not a package)
@@ -62,10 +68,12 @@ DEFAULT = "default"
 MICRO = "default, G/D micro"
 CANONICAL = "canonical G"
 FULL = "full G/D micro"
+CANONICAL_ONCE = "canonical G, gathered once"
 CANONICAL_EAGER = "canonical G, eager"
 DEFAULT_EAGER = "default, eager"
 ARMS = (DEFAULT, MICRO, CANONICAL)
-BREAKDOWN = (FULL, CANONICAL_EAGER, DEFAULT_EAGER)
+BREAKDOWN = (FULL, CANONICAL_ONCE)
+EVERY_ARM = ARMS + BREAKDOWN + (CANONICAL_EAGER, DEFAULT_EAGER)
 
 
 @dataclass(frozen=True)
@@ -80,6 +88,7 @@ class Config:
     seed: int = 0
     arms: tuple[str, ...] = ARMS
     quick: bool = False  # a tiny GPT (2 layers, d_model 64, sequence 32)
+    components: bool = False  # also time the canonical step's pieces alone (`_components`)
 
 
 def _workload(config: Config):
@@ -107,6 +116,10 @@ def _options(name: str, config: Config) -> dict:
         MICRO: {"microbatches": per_rank},
         CANONICAL: {"canonical_chunks": config.chunks},
         FULL: {"microbatches": per_rank, "schedule": fs.Schedule(accumulate="full")},
+        CANONICAL_ONCE: {
+            "canonical_chunks": config.chunks,
+            "schedule": fs.Schedule(reshard_after_forward=False, reshard_after_backward=False),
+        },
         CANONICAL_EAGER: {"canonical_chunks": config.chunks, "schedule": fs.Schedule(trace=False)},
         DEFAULT_EAGER: {"schedule": fs.Schedule(trace=False)},
     }[name]
@@ -160,7 +173,65 @@ def run(config: Config) -> dict | None:
             "all_gather_bytes": int(arm["metrics"]["all_gather_bytes"]),
             "reduce_scatter_bytes": int(arm["metrics"]["reduce_scatter_bytes"]),
         }
-    return {"arms": report, "params": sum(p.numel() for p in model.parameters())} if mesh.rank == 0 else None
+    components = _components(mesh, config, model, loss, batch, arms[CANONICAL]["state"]) if config.components else None
+    if mesh.rank != 0:
+        return None
+    return {"arms": report, "params": sum(p.numel() for p in model.parameters()), "components_ms": components}
+
+
+def _timed(mesh, fn, repeats: int) -> float:
+    """Median over `repeats` (after one warm-up) of the slowest rank's time of `fn()`, in ms."""
+    times = []
+    for _ in range(repeats + 1):
+        mesh.all_reduce_flat(torch.zeros(1))  # start together
+        start = time.perf_counter()
+        fn()
+        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        times.append(float(mesh.all_gather_world(elapsed).max()))
+    return 1e3 * statistics.median(times[1:])
+
+
+def _components(mesh, config: Config, model, loss, batch, state, repeats: int = 5) -> dict[str, float]:
+    """The pieces in which a canonical step differs from the default one, each timed alone on
+    every rank at once (ms, slowest rank): the plain model's forward and backward on the rank's
+    rows at once and chunk by chunk, one pass of all-gathers over every trainable buffer, the
+    reduction of every full gradient buffer (the default's reduce-scatter, the canonical tree's
+    all-to-all and tree sum), the gradient norm (plain, per canonical block), the loss metric."""
+    per_rank = config.chunks // config.world_size
+    x, y = batch
+    chunks = list(zip(x.chunk(per_rank), y.chunk(per_rank)))
+
+    def whole():
+        model.zero_grad(set_to_none=True)
+        loss(model(x), y).backward()
+
+    def by_chunk():
+        model.zero_grad(set_to_none=True)
+        for cx, cy in chunks:
+            loss(model(cx), cy).backward()
+
+    buffers = [b for b in state.params.layout.buffers if b.trainable]
+    generator = torch.Generator().manual_seed(mesh.rank)
+    shards = [torch.randn(b.shard_numel, generator=generator) for b in buffers]
+    fulls = [torch.randn(b.shard_numel * mesh.num_shards, generator=generator) for b in buffers]
+    blocks = config.chunks // mesh.num_shards
+    losses = torch.randn(per_rank, generator=generator)
+    pieces = {
+        "forward + backward, the rank's rows at once": whole,
+        "forward + backward, chunk by chunk": by_chunk,
+        "all-gather every buffer (one pass)": lambda: [mesh.all_gather_flat(s) for s in shards],
+        "reduce every buffer: reduce-scatter (default)": lambda: [mesh.reduce_scatter_flat(f) for f in fulls],
+        "reduce every buffer: all-to-all + tree (canonical)": lambda: [_canonical.reduce(f, mesh) for f in fulls],
+        "gradient norm (default)": lambda: global_norm(shards, mesh),
+        "gradient norm per canonical block": lambda: global_norm(shards, mesh, blocks=blocks),
+        "loss: all-reduce (default)": lambda: mesh.all_reduce_flat(losses[:1].clone(), mesh.data_axes),
+        "loss: chunks gathered + tree (canonical)": lambda: _canonical.tree_sum(_canonical.chunk_values(losses, mesh)),
+    }
+    with torch.no_grad():
+        out = {name: _timed(mesh, fn, repeats) for name, fn in pieces.items() if "forward" not in name}
+    for name in ("forward + backward, the rank's rows at once", "forward + backward, chunk by chunk"):
+        out[name] = _timed(mesh, pieces[name], repeats)
+    return out
 
 
 # --- report ---------------------------------------------------------------------------------------
@@ -207,6 +278,10 @@ def table(config: Config, result: dict) -> str:
                 f"- `{CANONICAL}` / `{other}`: time {ratio:.3f}x{verdict}, peak {peak[CANONICAL] / peak[other]:.3f}x "
                 f"({(peak[CANONICAL] - peak[other]) / 2**20:+.1f} MiB)"
             )
+    components = result.get("components_ms")
+    if components:
+        lines += ["", "Pieces timed alone (ms, slowest rank, median of 5):", "", "| piece | ms |", "|---|---:|"]
+        lines += [f"| {name} | {ms:.2f} |" for name, ms in components.items()]
     if CANONICAL_EAGER in arms and DEFAULT_EAGER in arms:
         lines.append(f"- `{CANONICAL_EAGER}` / `{DEFAULT_EAGER}`: time {median[CANONICAL_EAGER] / median[DEFAULT_EAGER]:.3f}x")
     return "\n".join(lines)
@@ -219,7 +294,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--global-batch", type=int, default=16, help="sequences per step, all ranks together (default 16)")
     parser.add_argument("--steps", type=int, help="timed steps per arm (default 10; quick: 2)")
     parser.add_argument("--warmup", type=int, help="untimed steps first, the first traces (default 2; quick: 1)")
-    parser.add_argument("--breakdown", action="store_true", help=f"also the arms {list(BREAKDOWN)}")
+    parser.add_argument("--breakdown", action="store_true",
+                        help=f"also the arms {list(BREAKDOWN)}, and the canonical step's pieces timed alone")
+    parser.add_argument("--arms", nargs="+", choices=EVERY_ARM, metavar="ARM", help=f"run these arms instead; any of {list(EVERY_ARM)}")
     parser.add_argument("--quick", action="store_true", help="smoke run: tiny GPT, world size 2, 2 steps")
     parser.add_argument("--json", type=Path, help="write the raw figures here")
     return parser.parse_args(argv)
@@ -231,13 +308,15 @@ def main(argv: list[str] | None = None) -> None:
     print(f"Machine: {_machine()}")
     print(f"Command: python benchmarks/canonical.py {' '.join(sys.argv[1:] if argv is None else argv)}")
     world_sizes = args.world_sizes or ([2] if args.quick else [2, 4])
-    arms = ARMS + (BREAKDOWN if args.breakdown else ())
+    arms = tuple(args.arms) if args.arms else ARMS + (BREAKDOWN if args.breakdown else ())
+    if args.breakdown and CANONICAL not in arms:
+        arms += (CANONICAL,)
     raw = []
     for world_size in world_sizes:
         config = Config(
             world_size=world_size, chunks=args.chunks, global_batch=args.global_batch,
             steps=args.steps or (2 if args.quick else 10), warmup=args.warmup or (1 if args.quick else 2),
-            arms=arms, quick=args.quick,
+            arms=arms, quick=args.quick, components=args.breakdown,
         )
         if args.chunks % world_size or args.global_batch % args.chunks:
             raise SystemExit(f"world size {world_size}: need world size | chunks ({args.chunks}) | global batch ({args.global_batch})")
