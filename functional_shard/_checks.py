@@ -10,15 +10,16 @@ optimizer, hyperparameter or learning rate on one rank would otherwise train sil
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import types
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
 from ._layout import Layout
 from ._mesh import BaseMesh, MeshError
-from ._reference import StepError
+from ._reference import StepError, batch_problem
 from ._pytree import tree_leaves, tree_paths
 from ._tree import FROZEN
 from .optim import GradientTransformation, Optimizer
@@ -86,6 +87,34 @@ def broadcast_from_rank0(layout: Layout, leaves: list, mesh: BaseMesh) -> list:
 
 
 _SIMPLE = (bool, int, float, str, type(None))
+
+
+def batch_facts(batch: Any, microbatches: int, canonical: Any) -> tuple[str | None, tuple[str, ...]]:
+    """`(problem, facts)`: why this rank's batch cannot be cut into its micro-batches (None if
+    it can), and what ranks compare about it before a step's first collective — whether it
+    cuts, and with `canonical` its leading dimensions (every rank's chunks must be the global
+    batch's). A rank whose batch is refused then raises its own error and its peers a
+    `MeshError` naming it, together, instead of some ranks waiting in a collective."""
+    if microbatches == 1 and canonical is None:
+        return None, ()
+    problem = batch_problem(batch, microbatches, canonical)
+    facts = (f"the batch {'cuts' if problem is None else 'does not cut'} into {microbatches} micro-batches",)
+    if canonical is not None:
+        rows = sorted({leaf.shape[0] for leaf in tree_leaves(batch) if isinstance(leaf, torch.Tensor) and leaf.ndim})
+        facts += (f"batch rows {rows} (canonical_chunks: every rank holds {microbatches} equal chunks)",)
+    return problem, facts
+
+
+@contextlib.contextmanager
+def refused_batch(problem: str | None) -> Iterator[None]:
+    """Raise this rank's `StepError(problem)` in place of the `MeshError` its peers raise when
+    ranks disagree on their batches (`batch_facts`)."""
+    try:
+        yield
+    except MeshError as error:
+        if problem is None:
+            raise
+        raise StepError(problem) from error
 
 
 def step_facts(schedule: Any, nonfinite: Any, microbatches: int, loss_scale: Any) -> tuple[str, ...]:

@@ -48,6 +48,7 @@ __all__ = [
     "StepOutput",
     "EvalOutput",
     "split_microbatches",
+    "batch_problem",
     "gradients",
     "update",
     "evaluate",
@@ -111,25 +112,39 @@ def _cast_inputs(batch: Any, dtype: torch.dtype | None) -> Any:
     return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, batch)
 
 
-def split_microbatches(batch: Any, k: int, dtype: torch.dtype | None = None) -> list[Any]:
-    """`batch` cut along the leading dimension of every tensor leaf into `k` equal parts (its
-    floating tensors cast to `dtype` when given)."""
-    batch = _cast_inputs(batch, dtype)
-    if k == 1:
-        return [batch]
-    leaves, structure = tree_flatten(batch)
-    parts = []
+def batch_problem(batch: Any, k: int, canonical: Any = None) -> str | None:
+    """Why `batch` cannot be cut along the leading dimension of every tensor leaf into `k`
+    equal micro-batches (a layout-invariant step's chunks, with `canonical`), or None."""
+    leaves = tree_flatten(batch)[0]
     for index, leaf in enumerate(leaves):
-        if isinstance(leaf, torch.Tensor):
-            if leaf.ndim == 0 or leaf.shape[0] % k:
-                path = tree_paths(batch)[index]
-                raise StepError(
+        if isinstance(leaf, torch.Tensor) and (leaf.ndim == 0 or leaf.shape[0] % k):
+            path, shape = tree_paths(batch)[index], list(leaf.shape)
+            if canonical is None:
+                return (
                     f"microbatches={k} must divide the leading dimension of every tensor of the batch; batch leaf "
-                    f"{path!r} has shape {list(leaf.shape)}: make its leading dimension a multiple of {k}"
+                    f"{path!r} has shape {shape}: make its leading dimension a multiple of {k}"
                 )
-            parts.append(leaf.chunk(k))
-        else:
-            parts.append([leaf] * k)
+            g, d = canonical.chunks, canonical.degree
+            return (
+                f"canonical_chunks={g} at {d} data-parallel ranks: each rank computes its {k} chunks of the global "
+                f"batch, cut along the leading dimension; batch leaf {path!r} has shape {shape}, whose leading "
+                f"dimension {shape[0] if shape else 0} is not a multiple of {k}. Give data-parallel rank r rows "
+                f"[r*B/{d}, (r+1)*B/{d}) of a global batch of B rows, B a multiple of {g} (fs.data.local_batch does this)"
+            )
+    return None
+
+
+def split_microbatches(batch: Any, k: int, dtype: torch.dtype | None = None, canonical: Any = None) -> list[Any]:
+    """`batch` cut along the leading dimension of every tensor leaf into `k` equal parts (its
+    floating tensors cast to `dtype` when given); StepError (`batch_problem`) if it does not cut."""
+    batch = _cast_inputs(batch, dtype)
+    if k == 1 and canonical is None:
+        return [batch]
+    problem = batch_problem(batch, k, canonical)
+    if problem is not None:
+        raise StepError(problem)
+    leaves, structure = tree_flatten(batch)
+    parts = [leaf.chunk(k) if isinstance(leaf, torch.Tensor) else [leaf] * k for leaf in leaves]
     return [tree_unflatten(structure, [p[i] for p in parts]) for i in range(k)]
 
 
@@ -184,7 +199,7 @@ def gradients(fn: StepFunction, layout: Layout, shards, local, batch, loss_scale
     canon = fn.canonical  # chunks: full gradients summed in the canonical tree (`_canonical`)
     seed = (lambda extras: _weighted_seed(extras, mesh, seeded)) if fn.microbatches == 1 and canon is None else None
     tree = _canonical.TreeSum(fn.microbatches) if canon is not None else None
-    for index, micro in enumerate(split_microbatches(batch, fn.microbatches, fn.input_dtype)):
+    for index, micro in enumerate(split_microbatches(batch, fn.microbatches, fn.input_dtype, fn.canonical)):
         with _tracing.microbatch(index if fn.microbatches > 1 else None):
             if canon is not None:
                 _random.reseed(canon.first + index, getattr(mesh, "device", torch.device("cpu")))
@@ -441,7 +456,7 @@ def _evaluate_chunks(fn: StepFunction, layout: Layout, leaves, local, batch) -> 
     """`evaluate` of a layout-invariant step: each canonical chunk alone, the losses added in the
     canonical tree (the mean, weighted or not, over every chunk of the global batch)."""
     canon, mesh, outs = fn.canonical, fn.mesh, []
-    for index, micro in enumerate(split_microbatches(batch, canon.per_rank, fn.input_dtype)):
+    for index, micro in enumerate(split_microbatches(batch, canon.per_rank, fn.input_dtype, canon)):
         _random.reseed(canon.first + index, getattr(mesh, "device", torch.device("cpu")))
         with _tracing.graph_semantics():
             out = fn.loss_fn(layout.assemble(leaves, local), micro)

@@ -19,7 +19,10 @@ from ._layout import Layout, make_layout
 from ._mesh import BaseMesh, MeshError, PeerError
 from ._placed import check_same_layout, place, resolve_placements, split_leaves
 from ._state import StepState, _StepKey, check_not_donated  # noqa: F401 - re-exported (checkpoint, export)
-from ._checks import broadcast_from_rank0, check_leaves, check_same_values, optimizer_facts, scalar_facts, step_facts
+from ._checks import (
+    batch_facts, broadcast_from_rank0, check_leaves, check_same_values, optimizer_facts, refused_batch, scalar_facts,
+    step_facts,
+)
 from ._reference import StepError, StepFunction
 from .initialize import shard_from
 from ._nonfinite import NonFinite
@@ -114,7 +117,10 @@ class ShardedStep:
         # What ranks agree on before each step, with the optimizer's per-step scalars (`_jit.agree`).
         self._facts = step_facts(schedule, self.nonfinite, microbatches, loss_scale)
         if canonical is not None:  # threads change how kernels split their sums: every rank alike
-            self._facts += (f"canonical_chunks={canonical.chunks}, torch threads={torch.get_num_threads()}",)
+            self._facts += (
+                f"canonical_chunks={canonical.chunks}, torch threads={torch.get_num_threads()} (call "
+                f"torch.set_num_threads with the same count on every rank, before fs.sharded_step)",
+            )
         self._optimizer_facts = optimizer_facts(optimizer)
 
     @property
@@ -236,11 +242,12 @@ class ShardedStep:
         self._check_state(state)
         sharded = state.params
         scalars = self.optimizer.scalars(state.opt_state)
+        problem, cut = batch_facts(batch, self.microbatches, self.canonical)
         facts = () if self.mesh.world_size == 1 else (
-            *self._facts, self._optimizer_facts[0], *scalar_facts(scalars), *self._optimizer_facts[1:]
+            *self._facts, self._optimizer_facts[0], *scalar_facts(scalars), *self._optimizer_facts[1:], *cut
         )
         rest = (sharded.local, state.opt_state, state.loss_scale, scalars)
-        with self._random_stream(state):
+        with self._random_stream(state), refused_batch(problem):
             if not self.schedule.trace:
                 agree(self.mesh, "a training step", facts)
                 with torch.no_grad():
@@ -276,14 +283,17 @@ class ShardedStep:
         """
         self._check_state(state, "step.evaluate(state, batch)")
         sharded = state.params
-        with self._random_stream(state):
+        chunks = self.canonical.per_rank if self.canonical is not None else 1
+        problem, cut = batch_facts(batch, chunks, self.canonical)
+        facts = (*self._facts[:1], *cut)
+        with self._random_stream(state), refused_batch(problem):
             if not self.schedule.trace:
-                agree(self.mesh, "step.evaluate", self._facts[:1])
+                agree(self.mesh, "step.evaluate", facts)
                 with torch.no_grad():
                     out = self._evaluate(sharded.layout, sharded.shards, (sharded.local,), batch)
                 moved = sum(b.nbytes for b in sharded.layout.buffers), 0
             else:
-                out, compiled = self._eval_jit.run(sharded.layout, sharded.shards, (sharded.local,), batch, self._facts[:1])
+                out, compiled = self._eval_jit.run(sharded.layout, sharded.shards, (sharded.local,), batch, facts)
                 moved = compiled.all_gather_bytes, compiled.reduce_scatter_bytes
         return self._metrics(out.mean_loss, out.loss, out.aux, *moved)
 

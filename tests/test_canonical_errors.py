@@ -6,11 +6,13 @@ with an error naming what is at fault and what to do, before any collective, on 
 - `microbatches` other than 1 or `G / D`: `ValueError` from `sharded_step`;
 - a per-rank batch that does not split into `G / D` equal chunks: `StepError` at the step on
   every rank, the state untouched, the world usable after (eager and traced);
+  the message names canonical_chunks, the leaf, its shape and the global batch it asks for;
+- ranks whose batches have different numbers of rows (each cutting into its chunks, but not the
+  same global batch's chunks): the batch rows are among the step's facts, so every rank raises
+  before any collective;
 - ranks with different torch thread counts (which change kernels, hence bits): `MeshError` at
-  the first step on every rank, naming "torch threads", at once (no hang).
-
-Tests marked `xfail(strict=True)` state what the core does not do yet (see each reason): they
-turn into failures (XPASS) once it does, and the marker goes.
+  the first step on every rank, naming "torch threads" and saying to call
+  `torch.set_num_threads` alike, at once (no hang).
 """
 
 from __future__ import annotations
@@ -143,25 +145,15 @@ def test_batch_that_does_not_split_into_chunks(local_world, trace):
     # G = 8 at 2 ranks: 4 chunks per rank; 3 rows do not split into 4 equal chunks.
     for message in local_world(2).run(step_on_rows, 3, trace):
         assert "batch leaf '[0]' has shape [3, 5]" in message  # the leaf and its shape
-        assert "make its leading dimension a multiple of 4" in message  # what to do
+        assert "not a multiple of 4" in message and "fs.data.local_batch" in message  # what to do
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="core wording: split_microbatches says 'microbatches=4' (which the user never passed) instead of "
-    "naming canonical_chunks=8 at 2 data-parallel ranks and the global batch it asks for",
-)
 def test_batch_split_error_names_canonical_chunks(local_world):
     for message in local_world(2).run(step_on_rows, 3, True):
         assert "canonical_chunks=8" in message and "2 data-parallel ranks" in message
         assert "multiple of 8" in message  # the global batch's rows
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="core: ranks whose batches have different numbers of rows (4 and 8, each splitting into its 4 chunks) "
-    "train on unequal chunks, which no other layout reproduces; the rows are not among the step's facts",
-)
 def test_ranks_with_different_batch_rows_raise_on_every_rank(local_world):
     for message in local_world(2).run(step_with_rows_of_rank, (4, 8)):
         assert message is not None and "rows" in message
@@ -179,12 +171,6 @@ def test_ranks_with_different_thread_counts(local_world):
         assert elapsed < 10.0, f"rank {rank} took {elapsed:.1f} s to raise"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="core wording: the facts' MeshError names 'torch threads' but its advice is generic (the same "
-    "optimizer, schedule, ...): it should say to call torch.set_num_threads(n) alike on every rank before "
-    "fs.sharded_step",
-)
 def test_thread_count_error_says_what_to_do(local_world):
     for message, _ in local_world(2).run(step_with_threads, 2):
         assert "torch.set_num_threads" in message
