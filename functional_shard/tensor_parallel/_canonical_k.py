@@ -139,27 +139,33 @@ class CanonicalLinear:
 
 
 def _column(x, weight, bias, n: int, chunks: int, mesh: BaseMesh, axis: str) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` of this rank's output columns (`chunks` fused blocks of them,
-    each cut in `n`), one product per (block, chunk); the input's gradient added in the tree."""
+    """`F.linear(x, weight, bias)` of this rank's output columns: one batched product of `n`
+    canonical blocks (block `j` holds rows `j` of every fused chunk), the input's gradient added
+    over the blocks in the tree, then over the ranks (`_FanOut`)."""
+    lead, features = x.shape[:-1], x.shape[-1]
     rows = weight.shape[0] // (chunks * n)
-    pieces = weight.view(chunks, n, rows, weight.shape[1])
-    biases = bias.view(chunks, n, rows) if bias is not None else None
-    copies = _FanOut.apply(x, n * chunks, mesh, axis).unbind(0)  # block-major: (j, c) at j * chunks + c
-    outs = [
-        [F.linear(copies[j * chunks + c], pieces[c, j], None if biases is None else biases[c, j]) for j in range(n)]
-        for c in range(chunks)
-    ]
-    return torch.cat([o for chunk in outs for o in chunk], dim=-1)  # chunk-major, as the local weight's rows
+    copies = _FanOut.apply(x.reshape(-1, features), n, mesh, axis)  # [n, M, K], one view per block
+    pieces = weight.view(chunks, n, rows, features).transpose(0, 1).reshape(n, chunks * rows, features)
+    y = torch.bmm(copies, pieces.transpose(1, 2))  # [n, M, chunks * rows]
+    if bias is not None:
+        # Block by block: each bias gradient is then the sum over tokens of one [M, chunks * rows]
+        # tensor, the same at every degree (a sum over dimension 1 of [n, M, ...] changes with n).
+        biases = bias.view(chunks, n, rows).transpose(0, 1).reshape(n, chunks * rows)
+        y = torch.stack([block + b for block, b in zip(y.unbind(0), biases.unbind(0))])
+    # [n, M, chunks * rows] -> [M, chunks * n * rows]: chunk-major, as the local weight's rows
+    y = y.view(n, -1, chunks, rows).permute(1, 2, 0, 3).reshape(*lead, chunks * n * rows)
+    return y
 
 
 def _row(x, weight, n: int, chunks: int, mesh: BaseMesh, axis: str) -> torch.Tensor:
-    """The sum over every rank's input features of `F.linear(x, weight)` (no bias), one product
-    per (block, chunk) of this rank's features, added in the canonical tree."""
+    """The sum over every rank's input features of `F.linear(x, weight)` (no bias): one batched
+    product of `n` canonical blocks of this rank's features (block `j`: features `j` of every
+    fused chunk), added in the canonical tree, then over the ranks (`_TreeReduce`)."""
+    lead, out = x.shape[:-1], weight.shape[0]
     width = weight.shape[1] // (chunks * n)
-    inputs = x.split(width, dim=-1)  # chunk-major: (c, j) at c * n + j
-    pieces = weight.split(width, dim=1)
-    parts = [F.linear(inputs[c * n + j], pieces[c * n + j]) for j in range(n) for c in range(chunks)]
-    return _TreeReduce.apply(torch.stack(parts), mesh, axis)
+    inputs = x.reshape(-1, chunks, n, width).permute(2, 0, 1, 3).reshape(n, -1, chunks * width)
+    pieces = weight.view(out, chunks, n, width).permute(2, 1, 3, 0).reshape(n, chunks * width, out)
+    return _TreeReduce.apply(torch.bmm(inputs, pieces), mesh, axis).view(*lead, out)
 
 
 def _plain_class(module: nn.Module) -> type:
@@ -257,7 +263,9 @@ def vocab_parallel_cross_entropy(
     index = torch.where(mine, targets - start, torch.zeros_like(targets))
     picked = shifted.gather(-1, index.unsqueeze(-1)).squeeze(-1)
     picked = torch.where(mine, picked, torch.zeros_like(picked))
-    sums = shifted.exp().unflatten(-1, (n, local_vocab // n)).sum(-1).movedim(-1, 0)  # [n, ...]
+    # [n, tokens, V / blocks], each block summed alone: the same reduction at every degree
+    exps = shifted.exp().reshape(-1, n, local_vocab // n).transpose(0, 1).contiguous()
+    sums = torch.stack([block.sum(-1) for block in exps.unbind(0)]).view(n, *picked.shape)
     # The target's logit goes in with block 0's sum, zeros with the others (adding zeros is exact).
     first = (torch.arange(n, device=picked.device) == 0).to(picked.dtype).view(n, *[1] * picked.dim())
     total = _TreeReduce.apply(torch.stack([sums, first * picked], dim=1), mesh, axis)
