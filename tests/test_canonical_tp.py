@@ -13,7 +13,8 @@
   vocabulary-parallel loss give the same loss and gradients, bit for bit, at `tp` 1, 2 and 4
   (thread meshes, against the plain ops to 1e-6), and GPT training (no dropout, AdamW without
   clipping) gives the same parameters and losses at `{"tp": 1}`, `{"tp": 2}`, `{"tp": 4}` and
-  `{"fsdp": 2, "tp": 2}` (gloo processes, eager and traced). Without the canonical cut every
+  `{"fsdp": 2, "tp": 2}` (gloo processes, eager and traced); so does a Hugging Face Llama by its
+  own plan at tp 1 and 2 (slow). Without the canonical cut every
   leaf differs after one step (~1e-7 relative in the gradients, 1e-3 of a leaf's scale in the
   parameters after AdamW). Clipping (the global norm sums squares over each rank's buffer of
   pieces) and dropout on local heads still depend on the degree.
@@ -121,17 +122,21 @@ PLACEMENTS = {
 
 def _block_loss(mesh, w, canonical: bool):
     """A Megatron block on this rank's pieces: fused q|k|v (column-parallel, chunks=3) mixed per
-    "head" and projected back (row-parallel), MLP
-    (column then row-parallel), vocabulary-parallel head and loss; canonical blocks or the
-    ordinary collectives."""
-    size = mesh.shape["tp"]
-    n = BLOCKS // size
-    if canonical:
-        column = lambda x, name, chunks: canonical_k._column(x, w[name + ".weight"], w.get(name + ".bias"), n, chunks, mesh, "tp")
-        row = lambda x, name: canonical_k._row(x, w[name + ".weight"], n, 1, mesh, "tp")
-    else:
-        column = lambda x, name, chunks: F.linear(tp.copy_to(x, mesh, "tp"), w[name + ".weight"], w.get(name + ".bias"))
-        row = lambda x, name: tp.reduce_from(F.linear(x, w[name + ".weight"]), mesh, "tp")
+    "head" and projected back (row-parallel), an MLP (column- then row-parallel), a
+    vocabulary-parallel head and loss; in canonical blocks or with the ordinary collectives."""
+    n = BLOCKS // mesh.shape["tp"]
+
+    def column(x, name, chunks):
+        weight, bias = w[name + ".weight"], w.get(name + ".bias")
+        if canonical:
+            return canonical_k._column(x, weight, bias, n, chunks, mesh, "tp")
+        return F.linear(tp.copy_to(x, mesh, "tp"), weight, bias)
+
+    def row(x, name):
+        if canonical:
+            return canonical_k._row(x, w[name + ".weight"], n, 1, mesh, "tp")
+        return tp.reduce_from(F.linear(x, w[name + ".weight"]), mesh, "tp")
+
     x = w["x"]
     q, k, v = column(x, "qkv", 3).chunk(3, dim=-1)  # this rank's "heads"
     x = x + row(q * k - v, "out")
@@ -222,7 +227,8 @@ def train_gpt_canonical_blocks(_, axes: dict[str, int], steps: int, trace: bool 
         return canonical_k.vocab_parallel_cross_entropy(logits, targets.flatten(), mesh, "tp", blocks=BLOCKS)
 
     optimizer = fs.optim.adamw(1e-2, weight_decay=0.1)
-    step = fs.sharded_step(loss_fn, mesh, optimizer=optimizer, placements=rules, canonical_chunks=4, schedule=fs.Schedule(trace=trace))
+    schedule = fs.Schedule(trace=trace)
+    step = fs.sharded_step(loss_fn, mesh, optimizer=optimizer, placements=rules, canonical_chunks=4, schedule=schedule)
     state = step.init(params)
     per = ROWS // mesh.data_size
     first = mesh.data_rank * per
@@ -241,7 +247,8 @@ def _assert_same(runs: dict) -> None:
     for name, other in runs.items():
         differ = [k for k in one["params"] if not torch.equal(one["params"][k], other["params"][k])]
         assert not differ, (name, differ)
-        assert all(torch.equal(a, b) for a, b in zip(one["losses"], other["losses"])), (name, one["losses"], other["losses"])
+        same = all(torch.equal(a, b) for a, b in zip(one["losses"], other["losses"]))
+        assert same, (name, one["losses"], other["losses"])
 
 
 def test_gpt_trains_alike_at_tp_1_and_2_with_canonical_blocks(local_world):
@@ -259,4 +266,55 @@ def test_gpt_trains_alike_at_tp_1_2_and_4_with_canonical_blocks_for_5_steps(loca
         "tp2 traced": local_world(2).run(train_gpt_canonical_blocks, {"tp": 2}, 5, True)[0],
         "tp4": local_world(4).run(train_gpt_canonical_blocks, {"tp": 4}, 5)[0],
         "tp4 traced": local_world(4).run(train_gpt_canonical_blocks, {"tp": 4}, 5, True)[0],
+    })  # fmt: skip
+
+
+def train_llama_canonical_blocks(_, axes: dict[str, int], steps: int):
+    """A Hugging Face Llama (grouped-query attention, right padding, -100 labels, fs.WeightedLoss)
+    by its own plan, every split dimension in 2 canonical blocks (2 key/value heads: tp <= 2)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.set_num_threads(1)
+    mesh = fs.init_mesh(axes)
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32, bos_token_id=0, eos_token_id=1, pad_token_id=2,
+        tie_word_embeddings=False, attn_implementation="sdpa",
+    )  # fmt: skip
+    model = LlamaForCausalLM(config)
+    rules = tp.hf_rules(model)
+    apply_fn, params = fs.functionalize(canonical_k.parallelize_canonical(model, rules, mesh, blocks=2))
+
+    def loss_fn(p, batch):
+        ids, mask, labels = batch
+        logits = apply_fn(p, input_ids=ids, attention_mask=mask).logits[:, :-1].float()
+        targets = labels[:, 1:].reshape(-1)
+        count = (targets != -100).sum()
+        total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets, ignore_index=-100, reduction="sum")
+        return fs.WeightedLoss(total / count, count)
+
+    step = fs.sharded_step(loss_fn, mesh, optimizer=fs.optim.adamw(1e-2), placements=rules, canonical_chunks=2)
+    state = step.init(params)
+    losses = []
+    for i in range(steps):
+        g = torch.Generator().manual_seed(700 + i)
+        ids = torch.randint(3, 64, (4, 12), generator=g)
+        lengths = torch.randint(3, 12, (4,), generator=g)
+        mask = (torch.arange(12)[None, :] < lengths[:, None]).long()
+        ids = ids.masked_fill(mask == 0, 2)
+        state, metrics = step(state, (ids, mask, ids.masked_fill(mask == 0, -100)))
+        losses.append(metrics["loss"].clone())
+    full = fs.gather(state.params, full=True)
+    if mesh.rank != 0:
+        return None
+    return {"params": {k: full[k].clone() for k in full.trainable}, "losses": losses}
+
+
+@pytest.mark.slow
+def test_llama_by_its_own_plan_trains_alike_at_tp_1_and_2_with_canonical_blocks(local_world):
+    pytest.importorskip("transformers")
+    _assert_same({
+        "tp1": local_world(1).run(train_llama_canonical_blocks, {"tp": 1}, 3)[0],
+        "tp2": local_world(2).run(train_llama_canonical_blocks, {"tp": 2}, 3)[0],
     })  # fmt: skip

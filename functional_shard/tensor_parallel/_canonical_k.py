@@ -24,10 +24,19 @@ order (the tree over `B` restricted to a rank's blocks is the tree over them).
 - `vocab_parallel_cross_entropy(..., blocks=B)`: the sum of `exp` per vocabulary block, added
   in the tree. The vocabulary-parallel embedding needs nothing: its all-reduce adds zeros.
 
-What stays outside (see docs/reproducibility.md): the global gradient norm (and so clipping)
+Everything else runs as it is: replicated work (norms, residuals) is the same at every `T`;
+attention on a rank's heads is a batched product over `n_head / T` heads (its bits per head do
+not change with the head count: checked, not promised by BLAS).
+
+Cost (CPU, one thread, forward + backward, against `F.linear` at M=512, d=1024, 4 blocks): qkv
+1.12x, MLP fc 1.06x, MLP proj 1.19x; a GPT step (d 256, 4 layers) 1.17x at `tp = 1`, 1.13x at
+`tp = 2`. Bytes: each all-reduce of `b·s·h` becomes an all-gather of `T` partial sums,
+`(T - 1)·b·s·h` per rank instead of `2(T - 1)/T·b·s·h`: equal at `T = 2`, 3.5x at `T = 8`.
+
+A prototype (not exported). What stays outside: the global gradient norm (and so clipping)
 sums squares over each rank's buffer of pieces; dropout inside the split section (attention
 weights on local heads) draws masks for `n_head / T` heads from a stream the `tp` ranks share;
-sequence parallelism is refused.
+sequence parallelism is not supported.
 """
 
 from __future__ import annotations
@@ -43,7 +52,7 @@ from .._basemesh import BaseMesh
 from .._canonical import degrees, tree_sum
 from ._collectives import gather_along, scatter_along
 from ._modules import _COLWISE, _COLWISE_GATHERED, _LINEAR_STYLES, _ROWWISE, _ROWWISE_SPLIT_INPUT, parallelize
-from ._placement import PlacementError, Split, _as_rules, placements_for
+from ._placement import Split, _as_rules, placements_for
 
 __all__ = ["parallelize_canonical", "vocab_parallel_cross_entropy", "CanonicalLinear"]
 
@@ -55,7 +64,9 @@ def _size(mesh: BaseMesh, axis: str) -> int:
 def _check(blocks: int, size: int, axis: str) -> int:
     """Blocks per rank; a ValueError where `size` ranks cannot give `blocks`' bits."""
     if not isinstance(blocks, int) or isinstance(blocks, bool) or blocks < 1 or blocks & (blocks - 1):
-        raise ValueError(f"blocks must be a power of two >= 1 (the largest tp degree to give the same bits at); got {blocks!r}")
+        raise ValueError(
+            f"blocks must be a power of two >= 1 (the largest tp degree to give the same bits at); got {blocks!r}"
+        )
     if size not in degrees(blocks):
         raise ValueError(
             f"blocks={blocks} cannot give the same bits at {axis}={size}: the degree must be a power of two dividing "
@@ -122,7 +133,8 @@ class CanonicalLinear:
     _fs_chunks: int
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, tensor_parallel={self._fs_style!r} over {self._fs_axis!r} in {self._fs_blocks} canonical blocks"
+        blocks = f"{self._fs_blocks} canonical blocks"
+        return f"{super().extra_repr()}, tensor_parallel={self._fs_style!r} over {self._fs_axis!r} in {blocks}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         style, mesh, axis = self._fs_style, self._fs_mesh, self._fs_axis
@@ -157,7 +169,8 @@ def _column(x, weight, bias, n: int, chunks: int, mesh: BaseMesh, axis: str) -> 
     copies = _FanOut.apply(x.reshape(-1, features), n, mesh, axis).unbind(0)  # one view per block
     weights = _blocks(weight, 0, chunks, n)
     biases = _blocks(bias, 0, chunks, n) if bias is not None else [None] * n
-    outs = [F.linear(copies[j], weights[j], biases[j]).view(-1, chunks, weights[j].shape[0] // chunks) for j in range(n)]
+    rows = weight.shape[0] // (chunks * n)
+    outs = [F.linear(copies[j], weights[j], biases[j]).view(-1, chunks, rows) for j in range(n)]
     # [M, chunks, n, rows]: chunk-major, as the local weight's rows
     return torch.stack(outs, dim=2).view(*lead, -1)
 
@@ -182,7 +195,9 @@ def _plain_class(module: nn.Module) -> type:
     raise AssertionError("unreachable: nn.Module is in every module's mro")
 
 
-def parallelize_canonical(model: nn.Module, rules: Iterable[Any], mesh: Any, *, blocks: int, axis: str = "tp") -> nn.Module:
+def parallelize_canonical(
+    model: nn.Module, rules: Iterable[Any], mesh: Any, *, blocks: int, axis: str = "tp"
+) -> nn.Module:
     """`parallelize(model, rules, mesh)` whose split Linears give the same bits at every degree of
     `axis` that divides `blocks` (in place; `mesh` may have `axis` of size 1, or none: `tp = 1`).
 
@@ -197,7 +212,8 @@ def parallelize_canonical(model: nn.Module, rules: Iterable[Any], mesh: Any, *, 
 
     Returns `model`. Compute the loss of vocabulary-split logits with this module's
     `vocab_parallel_cross_entropy(..., blocks=blocks)`. Raises ValueError for a degree that
-    does not divide `blocks`, `PlacementError` for a leaf `blocks` cannot cut.
+    does not divide `blocks`, `PlacementError` for a leaf `blocks` cannot cut (`placements_for`
+    at `axis = blocks`).
     """
     rules = _as_rules(rules)
     size = _size(mesh, axis)
@@ -223,9 +239,8 @@ def parallelize_canonical(model: nn.Module, rules: Iterable[Any], mesh: Any, *, 
     modules = dict(model.named_modules())
     for name, (style, placement) in linears.items():
         module = modules[name]
-        if module.weight.shape[placement.dim] % (placement.chunks * blocks):
-            raise PlacementError(f"{name}: dimension {placement.dim} of {tuple(module.weight.shape)} cannot be cut in {blocks} blocks")
-        module.__class__ = type(f"CanonicalLinear[{plain[name].__name__}]", (CanonicalLinear, plain[name]), {"__module__": __name__})
+        cls = plain[name]
+        module.__class__ = type(f"CanonicalLinear[{cls.__name__}]", (CanonicalLinear, cls), {"__module__": __name__})
         module._fs_style, module._fs_mesh, module._fs_axis = style, mesh, axis
         module._fs_blocks, module._fs_chunks = blocks, placement.chunks
     return model
@@ -256,7 +271,10 @@ def vocab_parallel_cross_entropy(
     n = _check(blocks, size, axis)
     local_vocab = local_logits.shape[-1]
     if local_vocab % n:
-        raise ValueError(f"vocab_parallel_cross_entropy: {local_vocab} local logits cannot be cut in {n} blocks (blocks={blocks}, {axis}={size})")
+        raise ValueError(
+            f"vocab_parallel_cross_entropy: {local_vocab} local logits cannot be cut in {n} blocks (blocks={blocks}, "
+            f"{axis}={size}): pad the vocabulary to a multiple of blocks"
+        )
     start = (mesh.coordinates[axis] if size > 1 else 0) * local_vocab
     logits = local_logits.float()
     local_max = logits.detach().amax(-1)
