@@ -1,8 +1,8 @@
 """The cost of layout invariance: `sharded_step(..., canonical_chunks=G)` against the default step.
 
-    python benchmarks/canonical.py                   # world sizes 2 and 4, GPT, ~4 min on 2 quiet cores
-    python benchmarks/canonical.py --breakdown       # + the arms that split the cost (see below)
-    python benchmarks/canonical.py --quick           # smoke run: a tiny GPT, world size 2, 2 steps (~15 s)
+    python benchmarks/canonical.py                   # world sizes 2 and 4, GPT, ~3 min on 2 quiet cores
+    python benchmarks/canonical.py --breakdown       # + an arm and the pieces that split the cost (below)
+    python benchmarks/canonical.py --quick           # smoke run: a tiny GPT, world size 2, 2 steps (~10 s)
 
 The model is the GPT of benchmarks/compare.py (`_workloads.Workload("gpt")`: 8 layers, d_model
 256, 4 heads, sequence 128, untied head, the shipped corpus); AdamW (`_arms.Hyper`), `donate=True`
@@ -18,14 +18,15 @@ initial weights and stepped on the same batches:
   canonical G             `canonical_chunks=G` (G = `--chunks`, 8): each rank runs its G/D chunks as
                           micro-batches, full gradients summed in the canonical tree, one all-to-all
                           per buffer at the end, the norm per canonical block, dropout per chunk
+  canonical G, gathered once
+                          `canonical_chunks=G` with `Schedule(reshard_after_forward=False,
+                          reshard_after_backward=False)`: each unit gathered once per step, not once
+                          per chunk and again in its backward (the same bits: a schedule never
+                          changes them)
   (--breakdown) full G/D micro
                           `microbatches=G/D`, `Schedule(accumulate="full")`: the canonical step's
                           computation and memory without its tree, all-to-all and per-chunk metrics
                           (full gradients summed left to right, one reduce-scatter per unit at the end)
-  (--breakdown) canonical G, gathered once
-                          `canonical_chunks=G` with `Schedule(reshard_after_forward=False,
-                          reshard_after_backward=False)`: each unit gathered once per step, not once
-                          per chunk (the same bits: a schedule never changes them)
   (--arms) canonical G, eager / default, eager
                           `Schedule(trace=False)`: the eager reference of each
 
@@ -35,8 +36,9 @@ time is the slowest rank's wall time (the ranks meet in an all-reduce first). Th
 step per arm under `MemTracker` (the state's tensors and the batch registered first with
 `track_external`): the peak of tensor storages, the largest rank's. Printed per world size: median
 and IQR of the step time, peak MiB per rank, the mean loss of the last step, bytes of full buffers
-gathered / reduced per step (`metrics`), and the canonical arm's ratios to the default arms.
-Issue 28's target: canonical <= 1.10 x the default step's time.
+gathered / reduced per step (`metrics`), and the canonical arms' ratios to the default arms.
+Issue 28's target: canonical <= 1.10 x the default step's time. `--breakdown` also times the
+pieces in which the canonical step differs, each alone on every rank (`_components`).
 """
 
 from __future__ import annotations
@@ -57,12 +59,13 @@ from torch.distributed._tools.mem_tracker import MemTracker
 
 import functional_shard as fs
 from functional_shard import _canonical  # private: the breakdown times the mode's pieces alone
+from functional_shard.models import GPT, GPTConfig
 from functional_shard.optim._global import global_norm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _arms import Hyper  # noqa: E402  (benchmarks/ is not a package)
 from _gpt import cpu_total  # noqa: E402
-from _workloads import Workload  # noqa: E402
+from _workloads import Workload, _tokenizer  # noqa: E402
 
 DEFAULT = "default"
 MICRO = "default, G/D micro"
@@ -71,8 +74,8 @@ FULL = "full G/D micro"
 CANONICAL_ONCE = "canonical G, gathered once"
 CANONICAL_EAGER = "canonical G, eager"
 DEFAULT_EAGER = "default, eager"
-ARMS = (DEFAULT, MICRO, CANONICAL)
-BREAKDOWN = (FULL, CANONICAL_ONCE)
+ARMS = (DEFAULT, MICRO, CANONICAL, CANONICAL_ONCE)
+BREAKDOWN = (FULL,)
 EVERY_ARM = ARMS + BREAKDOWN + (CANONICAL_EAGER, DEFAULT_EAGER)
 
 
@@ -83,7 +86,7 @@ class Config:
     world_size: int
     chunks: int = 8  # G
     global_batch: int = 16  # sequences, the same at every world size
-    steps: int = 10
+    steps: int = 12
     warmup: int = 2
     seed: int = 0
     arms: tuple[str, ...] = ARMS
@@ -94,13 +97,12 @@ class Config:
 def _workload(config: Config):
     """(the model, a rank's batch at a step, the loss of a batch): compare.py's GPT, or a tiny one."""
     workload = Workload("gpt")
-    model = workload.build(config.seed)
     per_rank = config.global_batch // config.world_size
     if config.quick:
-        from functional_shard.models import GPT, GPTConfig
-
         torch.manual_seed(config.seed)
-        model = GPT(GPTConfig(vocab_size=model.config.vocab_size, block_size=32, n_layer=2, n_head=2, d_model=64))
+        model = GPT(GPTConfig(vocab_size=_tokenizer().vocab_size, block_size=32, n_layer=2, n_head=2, d_model=64))
+    else:
+        model = workload.build(config.seed)
 
     def batch(rank: int, step: int):
         x, y = workload.batch(per_rank, seed=config.seed, rank=rank, step=step)
@@ -156,7 +158,8 @@ def run(config: Config) -> dict | None:
             if i >= config.warmup:
                 arm["times"].append(slowest)
         if mesh.rank == 0:
-            print(f"[{time.strftime('%H:%M:%S')} ws {config.world_size}] step {i + 1}/{total}", file=sys.stderr, flush=True)
+            now = time.strftime("%H:%M:%S")
+            print(f"[{now} ws {config.world_size}] step {i + 1}/{total}", file=sys.stderr, flush=True)
     batch = batch_of(mesh.rank, total)
     report = {}
     for name, arm in arms.items():
@@ -173,7 +176,17 @@ def run(config: Config) -> dict | None:
             "all_gather_bytes": int(arm["metrics"]["all_gather_bytes"]),
             "reduce_scatter_bytes": int(arm["metrics"]["reduce_scatter_bytes"]),
         }
-    components = _components(mesh, config, model, loss, batch, arms[CANONICAL]["state"]) if config.components else None
+    # The canonical arms must agree bit for bit (every parameter after the same steps): a check
+    # that the schedule of "gathered once" changed nothing but the time and the memory.
+    canonical = [name for name in (CANONICAL, CANONICAL_ONCE, CANONICAL_EAGER) if name in arms]
+    full = {name: fs.tree_leaves(fs.gather(arms[name]["state"].params, full=True)) for name in canonical}
+    for name in canonical:
+        report[name]["same_bits_as_first_canonical"] = all(
+            torch.equal(a, b) for a, b in zip(full[canonical[0]], full[name])
+        )
+    components = None
+    if config.components:
+        components = _components(mesh, config, model, loss, batch, arms[CANONICAL]["state"])
     if mesh.rank != 0:
         return None
     return {"arms": report, "params": sum(p.numel() for p in model.parameters()), "components_ms": components}
@@ -256,8 +269,9 @@ def table(config: Config, result: dict) -> str:
     peak = {n: max(a["peak_bytes_per_rank"]) for n, a in arms.items()}
     per_rank = config.chunks // config.world_size
     lines = [
-        f"**World size {config.world_size}**: global batch {config.global_batch} sequences ({config.global_batch // config.world_size} "
-        f"per rank), G = {config.chunks} ({per_rank} chunks of {config.global_batch // config.chunks} per rank); "
+        f"**World size {config.world_size}**: global batch {config.global_batch} sequences "
+        f"({config.global_batch // config.world_size} per rank), G = {config.chunks} ({per_rank} chunks of "
+        f"{config.global_batch // config.chunks} per rank); "
         f"{config.steps} timed steps after {config.warmup}",
         "",
         "| arm | median ms | IQR ms | peak MiB/rank | loss (last step) | all-gather MiB/step | reduce MiB/step |",
@@ -270,20 +284,27 @@ def table(config: Config, result: dict) -> str:
             f"{a['loss']:.5f} | {a['all_gather_bytes'] / 2**20:.1f} | {a['reduce_scatter_bytes'] / 2**20:.1f} |"
         )
     lines.append("")
-    for other in (DEFAULT, MICRO, FULL):
-        if CANONICAL in arms and other in arms:
-            ratio = median[CANONICAL] / median[other]
+    canonical = [n for n in arms if "same_bits_as_first_canonical" in arms[n]]
+    if len(canonical) > 1:
+        same = all(arms[n]["same_bits_as_first_canonical"] for n in canonical)
+        names = ", ".join(f"`{n}`" for n in canonical)
+        lines.append(f"- parameters after the run bit-identical across {names}: {same}")
+    pairs = [(CANONICAL, DEFAULT), (CANONICAL, MICRO), (CANONICAL, FULL), (CANONICAL_ONCE, DEFAULT)]
+    for mine, other in pairs:
+        if mine in arms and other in arms:
+            ratio = median[mine] / median[other]
             verdict = f" (target <= 1.10: {'met' if ratio <= 1.10 else 'missed'})" if other == DEFAULT else ""
             lines.append(
-                f"- `{CANONICAL}` / `{other}`: time {ratio:.3f}x{verdict}, peak {peak[CANONICAL] / peak[other]:.3f}x "
-                f"({(peak[CANONICAL] - peak[other]) / 2**20:+.1f} MiB)"
+                f"- `{mine}` / `{other}`: time {ratio:.3f}x{verdict}, peak {peak[mine] / peak[other]:.3f}x "
+                f"({(peak[mine] - peak[other]) / 2**20:+.1f} MiB)"
             )
     components = result.get("components_ms")
     if components:
         lines += ["", "Pieces timed alone (ms, slowest rank, median of 5):", "", "| piece | ms |", "|---|---:|"]
         lines += [f"| {name} | {ms:.2f} |" for name, ms in components.items()]
     if CANONICAL_EAGER in arms and DEFAULT_EAGER in arms:
-        lines.append(f"- `{CANONICAL_EAGER}` / `{DEFAULT_EAGER}`: time {median[CANONICAL_EAGER] / median[DEFAULT_EAGER]:.3f}x")
+        ratio = median[CANONICAL_EAGER] / median[DEFAULT_EAGER]
+        lines.append(f"- `{CANONICAL_EAGER}` / `{DEFAULT_EAGER}`: time {ratio:.3f}x")
     return "\n".join(lines)
 
 
@@ -291,12 +312,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world-sizes", type=int, nargs="+", help="default 2 4 (quick: 2)")
     parser.add_argument("--chunks", type=int, default=8, help="G, canonical_chunks (default 8)")
-    parser.add_argument("--global-batch", type=int, default=16, help="sequences per step, all ranks together (default 16)")
-    parser.add_argument("--steps", type=int, help="timed steps per arm (default 10; quick: 2)")
+    parser.add_argument("--global-batch", type=int, default=16,
+                        help="sequences per step, all ranks together (default 16)")
+    parser.add_argument("--steps", type=int, help="timed steps per arm (default 12; quick: 2)")
     parser.add_argument("--warmup", type=int, help="untimed steps first, the first traces (default 2; quick: 1)")
     parser.add_argument("--breakdown", action="store_true",
                         help=f"also the arms {list(BREAKDOWN)}, and the canonical step's pieces timed alone")
-    parser.add_argument("--arms", nargs="+", choices=EVERY_ARM, metavar="ARM", help=f"run these arms instead; any of {list(EVERY_ARM)}")
+    parser.add_argument("--arms", nargs="+", choices=EVERY_ARM, metavar="ARM",
+                        help=f"run these arms instead; any of {list(EVERY_ARM)}")
     parser.add_argument("--quick", action="store_true", help="smoke run: tiny GPT, world size 2, 2 steps")
     parser.add_argument("--json", type=Path, help="write the raw figures here")
     return parser.parse_args(argv)
@@ -315,14 +338,20 @@ def main(argv: list[str] | None = None) -> None:
     for world_size in world_sizes:
         config = Config(
             world_size=world_size, chunks=args.chunks, global_batch=args.global_batch,
-            steps=args.steps or (2 if args.quick else 10), warmup=args.warmup or (1 if args.quick else 2),
+            steps=args.steps or (2 if args.quick else 12), warmup=args.warmup or (1 if args.quick else 2),
             arms=arms, quick=args.quick, components=args.breakdown,
         )
         if args.chunks % world_size or args.global_batch % args.chunks:
-            raise SystemExit(f"world size {world_size}: need world size | chunks ({args.chunks}) | global batch ({args.global_batch})")
+            raise SystemExit(
+                f"world size {world_size}: need world size | chunks ({args.chunks}) | "
+                f"global batch ({args.global_batch})"
+            )
         result = fs.launch(run, world_size=world_size, args=(config,), threads_per_rank=1)
         if not raw:
-            model = "tiny GPT (2 layers, d_model 64, sequence 32)" if args.quick else "GPT of benchmarks/compare.py (8 layers, d_model 256, sequence 128)"
+            model = (
+                "tiny GPT (2 layers, d_model 64, sequence 32)" if args.quick
+                else "GPT of benchmarks/compare.py (8 layers, d_model 256, sequence 128)"
+            )
             print(f"{model}: {result['params']:,} parameters\n")
         raw.append({"config": asdict(config), "result": result})
         print(table(config, result), flush=True)
