@@ -137,3 +137,19 @@ def test_docs_are_rendered_from_a_run(run_dir, result, tmp_path):
 def test_docs_page_has_the_markers():
     text = (REPO / "docs" / "benchmarks.md").read_text()
     assert text.index(DOCS_BEGIN) < text.index(DOCS_END)
+
+
+def test_canonical_benchmark_quick_runs_and_reports():
+    """`benchmarks/canonical.py --quick` (tiny GPT, world size 2, 2 steps; ~10 s): every arm's row,
+    the ratios, and the canonical arms bit-identical to each other (never a threshold on timings)."""
+    command = [sys.executable, str(BENCHMARKS / "canonical.py"), "--quick"]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, f"canonical.py failed:\n{done.stdout}\n{done.stderr[-3000:]}"
+    from canonical import ARMS as CANONICAL_ARMS
+
+    for name in CANONICAL_ARMS:
+        row = next(line for line in done.stdout.splitlines() if line.startswith(f"| {name} |"))
+        median_ms, _, peak_mib = (float(cell) for cell in row.split("|")[2:5])
+        assert median_ms > 0 and peak_mib > 0, row
+    assert "bit-identical across `canonical G`, `canonical G, gathered once`: True" in done.stdout
+    assert "`canonical G` / `default`: time" in done.stdout
