@@ -8,21 +8,23 @@ The model is the GPT of benchmarks/compare.py (`_workloads.Workload("gpt")`: 8 l
 256, 4 heads, sequence 128, untied head, the shipped corpus); AdamW (`_arms.Hyper`), `donate=True`
 and the default schedule (traced, prefetch 1, reshard after forward) in every arm. The global
 batch is `--global-batch` (16) sequences, the same at every world size D: each rank gets
-`16 / D` of them (rank r's batch at step s a pure function of (seed, r, s), the same in every arm).
+`16 / D` of them (rank r's rows of the step's global batch, a pure function of (seed, s): the same
+global batches at every world size and in every arm).
 One `fs.launch` per world size, every rank pinned to one thread. Arms, all built from the same
 initial weights and stepped on the same batches:
 
   default                 `microbatches=1` (one reduce-scatter per unit, overlapped with the backward)
   default, G/D micro      `microbatches=G/D`: the same micro-batch shapes as the canonical step
                           (accumulate "sharded": a reduce-scatter per unit and micro-batch)
-  canonical G             `canonical_chunks=G` (G = `--chunks`, 8): each rank runs its G/D chunks as
-                          micro-batches, full gradients summed in the canonical tree, one all-to-all
-                          per buffer at the end, the norm per canonical block, dropout per chunk
-  canonical G, gathered once
-                          `canonical_chunks=G` with `Schedule(reshard_after_forward=False,
-                          reshard_after_backward=False)`: each unit gathered once per step, not once
-                          per chunk and again in its backward (the same bits: a schedule never
-                          changes them)
+  canonical G             `canonical_chunks=G` (G = `--chunks`, 8) with its default schedule
+                          (`Schedule(reshard_after_forward=False, reshard_after_backward=False)`:
+                          each unit gathered once per step, its chunks share it): each rank runs
+                          its G/D chunks as micro-batches, full gradients summed in the canonical
+                          tree, one all-to-all per buffer at the end, the norm per canonical block,
+                          dropout per chunk
+  canonical G, per chunk  `canonical_chunks=G` with `schedule=fs.Schedule()`: each unit gathered for
+                          each chunk and again in its backward (less memory; the same bits: a
+                          schedule never changes them)
   (--breakdown) full G/D micro
                           `microbatches=G/D`, `Schedule(accumulate="full")`: the canonical step's
                           computation and memory without its tree, all-to-all and per-chunk metrics
@@ -58,9 +60,7 @@ import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
 import functional_shard as fs
-from functional_shard import _canonical  # private: the breakdown times the mode's pieces alone
 from functional_shard.models import GPT, GPTConfig
-from functional_shard.optim._global import global_norm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _arms import Hyper  # noqa: E402  (benchmarks/ is not a package)
@@ -71,7 +71,7 @@ DEFAULT = "default"
 MICRO = "default, G/D micro"
 CANONICAL = "canonical G"
 FULL = "full G/D micro"
-CANONICAL_ONCE = "canonical G, gathered once"
+CANONICAL_ONCE = "canonical G, per chunk"
 CANONICAL_EAGER = "canonical G, eager"
 DEFAULT_EAGER = "default, eager"
 ARMS = (DEFAULT, MICRO, CANONICAL, CANONICAL_ONCE)
@@ -94,6 +94,14 @@ class Config:
     components: bool = False  # also time the canonical step's pieces alone (`_components`)
 
 
+def _pairwise(rows: torch.Tensor) -> torch.Tensor:
+    """The canonical tree's sum of `rows` (a power of two of them): neighbours paired level by
+    level, what `canonical_chunks` steps add their parts with (fs's `_canonical.tree_sum`)."""
+    while rows.shape[0] > 1:
+        rows = rows[0::2] + rows[1::2]
+    return rows[0]
+
+
 def _workload(config: Config):
     """(the model, a rank's batch at a step, the loss of a batch): compare.py's GPT, or a tiny one."""
     workload = Workload("gpt")
@@ -105,7 +113,10 @@ def _workload(config: Config):
         model = workload.build(config.seed)
 
     def batch(rank: int, step: int):
-        x, y = workload.batch(per_rank, seed=config.seed, rank=rank, step=step)
+        # Rows [rank * per_rank, (rank + 1) * per_rank) of the step's global batch: the same
+        # global batches at every world size (so the canonical arms' losses agree across them).
+        x, y = workload.batch(config.global_batch, seed=config.seed, rank=0, step=step)
+        x, y = x[rank * per_rank : (rank + 1) * per_rank], y[rank * per_rank : (rank + 1) * per_rank]
         return (x[:, :32], y[:, :32]) if config.quick else (x, y)
 
     return model, batch, workload.loss
@@ -118,10 +129,7 @@ def _options(name: str, config: Config) -> dict:
         MICRO: {"microbatches": per_rank},
         CANONICAL: {"canonical_chunks": config.chunks},
         FULL: {"microbatches": per_rank, "schedule": fs.Schedule(accumulate="full")},
-        CANONICAL_ONCE: {
-            "canonical_chunks": config.chunks,
-            "schedule": fs.Schedule(reshard_after_forward=False, reshard_after_backward=False),
-        },
+        CANONICAL_ONCE: {"canonical_chunks": config.chunks, "schedule": fs.Schedule()},
         CANONICAL_EAGER: {"canonical_chunks": config.chunks, "schedule": fs.Schedule(trace=False)},
         DEFAULT_EAGER: {"schedule": fs.Schedule(trace=False)},
     }[name]
@@ -177,7 +185,7 @@ def run(config: Config) -> dict | None:
             "reduce_scatter_bytes": int(arm["metrics"]["reduce_scatter_bytes"]),
         }
     # The canonical arms must agree bit for bit (every parameter after the same steps): a check
-    # that the schedule of "gathered once" changed nothing but the time and the memory.
+    # that the schedule of "per chunk" changed nothing but the time and the memory.
     canonical = [name for name in (CANONICAL, CANONICAL_ONCE, CANONICAL_EAGER) if name in arms]
     full = {name: fs.tree_leaves(fs.gather(arms[name]["state"].params, full=True)) for name in canonical}
     for name in canonical:
@@ -234,11 +242,11 @@ def _components(mesh, config: Config, model, loss, batch, state, repeats: int = 
         "forward + backward, chunk by chunk": by_chunk,
         "all-gather every buffer (one pass)": lambda: [mesh.all_gather_flat(s) for s in shards],
         "reduce every buffer: reduce-scatter (default)": lambda: [mesh.reduce_scatter_flat(f) for f in fulls],
-        "reduce every buffer: all-to-all + tree (canonical)": lambda: [_canonical.reduce(f, mesh) for f in fulls],
-        "gradient norm (default)": lambda: global_norm(shards, mesh),
-        "gradient norm per canonical block": lambda: global_norm(shards, mesh, blocks=blocks),
+        "reduce every buffer: all-to-all + tree (canonical)": lambda: [_pairwise(mesh.all_to_all_axis_flat(f, "fsdp").view(mesh.num_shards, -1)) for f in fulls],
+        "gradient norm (default)": lambda: fs.optim.global_norm(shards, mesh),
+        "gradient norm per canonical block": lambda: fs.optim.global_norm(shards, mesh, blocks=blocks),
         "loss: all-reduce (default)": lambda: mesh.all_reduce_flat(losses[:1].clone(), mesh.data_axes),
-        "loss: chunks gathered + tree (canonical)": lambda: _canonical.tree_sum(_canonical.chunk_values(losses, mesh)),
+        "loss: chunks gathered + tree (canonical)": lambda: _pairwise(mesh.all_gather_axis_flat(losses, "fsdp").view(-1, 1)),
     }
     with torch.no_grad():
         out = {name: _timed(mesh, fn, repeats) for name, fn in pieces.items() if "forward" not in name}

@@ -425,6 +425,14 @@ def _eager_bytes(layout: Layout, microbatches: int = 1, accumulate: str = "shard
     return frozen + microbatches * trainable, scattered * (microbatches if accumulate == "sharded" else 1)
 
 
+def _default_schedule(canonical_chunks: int | None) -> Schedule:
+    """`Schedule()`; a layout-invariant step's chunks share each gathered unit instead (gathered
+    once per step: one pass of all-gathers, not one per chunk and again in its backward)."""
+    if canonical_chunks is None:
+        return Schedule()
+    return Schedule(reshard_after_forward=False, reshard_after_backward=False)
+
+
 def _trainable(sharded: Sharded) -> dict[str, torch.Tensor]:
     return {spec.name: s for spec, s in zip(sharded.layout.buffers, sharded.shards) if spec.trainable}
 
@@ -494,7 +502,10 @@ def sharded_step(
             as its micro-batches), their gradients and losses added in one fixed tree, the
             gradient norm summed per canonical block, dropout drawn per chunk. `D` must be a
             power of two dividing `G`; gradients accumulate in full and are reduced once per
-            step (whatever the schedule's `accumulate`). None (default): off.
+            step (whatever the schedule's `accumulate`); without a `schedule`, each unit is
+            gathered once per step and shared by the chunks (`Schedule(reshard_after_forward=
+            False, reshard_after_backward=False)`; pass `schedule=fs.Schedule()` to gather per
+            chunk with less memory). None (default): off.
 
     `loss_fn` may return `fs.WeightedLoss(loss, weight)` (e.g. its count of non-ignored
     tokens) to weigh ranks and micro-batches: the step then trains on the weighted mean,
@@ -506,7 +517,7 @@ def sharded_step(
         loss_fn,
         mesh,
         optimizer=optimizer,
-        schedule=schedule or Schedule(),
+        schedule=schedule if schedule is not None else _default_schedule(canonical_chunks),
         units=units,
         has_aux=has_aux,
         donate=donate,

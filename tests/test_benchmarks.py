@@ -151,5 +151,5 @@ def test_canonical_benchmark_quick_runs_and_reports():
         row = next(line for line in done.stdout.splitlines() if line.startswith(f"| {name} |"))
         median_ms, _, peak_mib = (float(cell) for cell in row.split("|")[2:5])
         assert median_ms > 0 and peak_mib > 0, row
-    assert "bit-identical across `canonical G`, `canonical G, gathered once`: True" in done.stdout
+    assert "bit-identical across `canonical G`, `canonical G, per chunk`: True" in done.stdout
     assert "`canonical G` / `default`: time" in done.stdout
