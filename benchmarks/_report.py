@@ -209,6 +209,16 @@ def machine_info() -> dict[str, Any]:
     }
 
 
+def machine_line() -> str:
+    """The machine in one line, for a benchmark's printout: CPU, cores, load, torch, Python, commit."""
+    import torch
+
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    commit = _git("rev-parse", "--short=10", "HEAD")
+    return (f"{_cpu_model()}, {os.cpu_count()} cores, load average {load:.2f} at the start; torch {torch.__version__}, "
+            f"Python {platform.python_version()}, functional_shard commit {commit or '?'}")
+
+
 def _cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as f:

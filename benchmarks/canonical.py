@@ -47,10 +47,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -63,6 +60,7 @@ import functional_shard as fs
 from functional_shard.models import GPT, GPTConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _report import machine_line  # noqa: E402
 from _arms import Hyper  # noqa: E402  (benchmarks/ is not a package)
 from _gpt import cpu_total  # noqa: E402
 from _workloads import Workload, _tokenizer  # noqa: E402
@@ -258,18 +256,6 @@ def _components(mesh, config: Config, model, loss, batch, state, repeats: int = 
 # --- report ---------------------------------------------------------------------------------------
 
 
-def _machine() -> str:
-    try:
-        cpu = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
-    except (OSError, StopIteration):
-        cpu = platform.processor() or "unknown CPU"
-    commit = subprocess.run(["git", "rev-parse", "--short=10", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).resolve().parent, check=False).stdout.strip()
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    return (f"{cpu}, {os.cpu_count()} cores, load average {load:.2f} at the start; torch {torch.__version__}, "
-            f"Python {platform.python_version()}, functional_shard commit {commit or '?'}")
-
-
 def table(config: Config, result: dict) -> str:
     """One world size's figures as a markdown table (the docs' format), then the ratios."""
     arms = result["arms"]
@@ -336,7 +322,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     began = time.time()
-    print(f"Machine: {_machine()}")
+    print(f"Machine: {machine_line()}")
     print(f"Command: python benchmarks/canonical.py {' '.join(sys.argv[1:] if argv is None else argv)}")
     world_sizes = args.world_sizes or ([2] if args.quick else [2, 4])
     arms = tuple(args.arms) if args.arms else ARMS + (BREAKDOWN if args.breakdown else ())

@@ -39,9 +39,7 @@ import argparse
 import copy
 import json
 import logging
-import platform
 import statistics
-import subprocess
 import sys
 import time
 import warnings
@@ -62,6 +60,7 @@ import functional_shard.tensor_parallel as tp
 from functional_shard.data import CharTokenizer, batches, load_text
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _report import machine_line  # noqa: E402
 from _arms import Hyper, _tune_fsdp2  # noqa: E402  (benchmarks/ is not a package)
 from _gpt import cpu_total  # noqa: E402
 
@@ -330,19 +329,6 @@ def run(config: Config) -> dict:
 # --- report ---------------------------------------------------------------------------------------
 
 
-def _machine() -> str:
-    try:
-        cpu = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
-    except (OSError, StopIteration):
-        cpu = platform.processor() or "unknown CPU"
-    import os
-
-    commit = subprocess.run(["git", "rev-parse", "--short=10", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).resolve().parent, check=False).stdout.strip()
-    return (f"{cpu}, {os.cpu_count()} cores; torch {torch.__version__}, Python {platform.python_version()}, "
-            f"functional_shard commit {commit or '?'}")
-
-
 def _is_fs(name: str) -> bool:
     return name.startswith("fs")
 
@@ -410,7 +396,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="write the raw figures here")
     args = parser.parse_args()
     began = time.time()
-    print(f"Machine: {_machine()}")
+    print(f"Machine: {machine_line()}")
     print(f"Command: python {' '.join(sys.argv)}")
     raw, goals = [], []
     for label in args.meshes:

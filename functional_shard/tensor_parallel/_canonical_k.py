@@ -51,6 +51,7 @@ from torch import nn
 from .._basemesh import BaseMesh
 from .._canonical import degrees, tree_sum
 from ._collectives import gather_along, scatter_along
+from ._loss import reduce_loss, shifted_logits
 from ._modules import _COLWISE, _COLWISE_GATHERED, _LINEAR_STYLES, _ROWWISE, _ROWWISE_SPLIT_INPUT, parallelize
 from ._placement import Split, _as_rules, placements_for
 
@@ -275,19 +276,7 @@ def vocab_parallel_cross_entropy(
             f"vocab_parallel_cross_entropy: {local_vocab} local logits cannot be cut in {n} blocks (blocks={blocks}, "
             f"{axis}={size}): pad the vocabulary to a multiple of blocks"
         )
-    start = (mesh.coordinates[axis] if size > 1 else 0) * local_vocab
-    logits = local_logits.float()
-    local_max = logits.detach().amax(-1)
-    if size > 1:
-        everyone = mesh.all_gather_axis_flat(local_max.contiguous().view(-1), axis)
-        largest = everyone.view(size, -1).amax(0).view(local_max.shape)
-    else:
-        largest = local_max
-    shifted = logits - largest.unsqueeze(-1)
-    mine = (targets >= start) & (targets < start + local_vocab)
-    index = torch.where(mine, targets - start, torch.zeros_like(targets))
-    picked = shifted.gather(-1, index.unsqueeze(-1)).squeeze(-1)
-    picked = torch.where(mine, picked, torch.zeros_like(picked))
+    shifted, picked = shifted_logits(local_logits, targets, mesh, axis)
     # [n, tokens, V / blocks], each block summed alone: the same reduction at every degree
     exps = shifted.exp().reshape(-1, n, local_vocab // n).transpose(0, 1).contiguous()
     sums = torch.stack([block.sum(-1) for block in exps.unbind(0)]).view(n, *picked.shape)
@@ -295,10 +284,4 @@ def vocab_parallel_cross_entropy(
     first = (torch.arange(n, device=picked.device) == 0).to(picked.dtype).view(n, *[1] * picked.dim())
     total = _TreeReduce.apply(torch.stack([sums, first * picked], dim=1), mesh, axis)
     loss = total[0].log() - total[1]
-    kept = targets != ignore_index
-    loss = torch.where(kept, loss, torch.zeros_like(loss))
-    if reduction == "none":
-        return loss
-    if reduction == "sum":
-        return loss.sum()
-    return loss.sum() / kept.sum()
+    return reduce_loss(loss, targets, ignore_index, reduction)

@@ -49,9 +49,19 @@ def vocab_parallel_cross_entropy(
             f"vocab_parallel_cross_entropy: logits of shape {list(local_logits.shape)} need targets of shape "
             f"{list(local_logits.shape[:-1])}; got {list(targets.shape)}"
         )
+    shifted, picked = shifted_logits(local_logits, targets, mesh, axis)
+    sums = reduce_from(torch.stack([shifted.exp().sum(-1), picked]), mesh, axis)
+    loss = sums[0].log() - sums[1]
+    return reduce_loss(loss, targets, ignore_index, reduction)
+
+
+def shifted_logits(local_logits: torch.Tensor, targets: torch.Tensor, mesh: BaseMesh, axis: str) -> tuple:
+    """`(shifted, picked)`: this rank's fp32 logits minus the row maximum over every rank of
+    `axis`, and the shifted logit of each target this rank's slice of the vocabulary holds (0
+    for the others)."""
     size = axis_size(mesh, axis)
     local_vocab = local_logits.shape[-1]
-    start = mesh.coordinates[axis] * local_vocab
+    start = (mesh.coordinates[axis] if size > 1 else 0) * local_vocab
     logits = local_logits.float()
     # The max only keeps exp() in range: the loss does not depend on it, so no gradient flows.
     local_max = logits.detach().amax(-1)
@@ -64,9 +74,12 @@ def vocab_parallel_cross_entropy(
     mine = (targets >= start) & (targets < start + local_vocab)
     index = torch.where(mine, targets - start, torch.zeros_like(targets))
     picked = shifted.gather(-1, index.unsqueeze(-1)).squeeze(-1)
-    picked = torch.where(mine, picked, torch.zeros_like(picked))
-    sums = reduce_from(torch.stack([shifted.exp().sum(-1), picked]), mesh, axis)
-    loss = sums[0].log() - sums[1]
+    return shifted, torch.where(mine, picked, torch.zeros_like(picked))
+
+
+def reduce_loss(loss: torch.Tensor, targets: torch.Tensor, ignore_index: int, reduction: str) -> torch.Tensor:
+    """Per-token `loss` zeroed at ignored targets, then `reduction`: "none", "sum", or "mean"
+    over the tokens kept."""
     kept = targets != ignore_index
     loss = torch.where(kept, loss, torch.zeros_like(loss))
     if reduction == "none":
