@@ -139,6 +139,7 @@ def test_docs_page_has_the_markers():
     assert text.index(DOCS_BEGIN) < text.index(DOCS_END)
 
 
+@pytest.mark.slow  # ~12 s: the suite's time; the canonical step itself is tested in tests/test_canonical*.py
 def test_canonical_benchmark_quick_runs_and_reports():
     """`benchmarks/canonical.py --quick` (tiny GPT, world size 2, 2 steps; ~10 s): every arm's row,
     the ratios, and the canonical arms bit-identical to each other (never a threshold on timings)."""

@@ -251,6 +251,7 @@ def _assert_same(runs: dict) -> None:
         assert same, (name, one["losses"], other["losses"])
 
 
+@pytest.mark.slow  # the prototype's training at tp 1 and 2 (~6 s); its law on thread meshes stays in the suite
 def test_gpt_trains_alike_at_tp_1_and_2_with_canonical_blocks(local_world):
     _assert_same({
         "tp1": local_world(1).run(train_gpt_canonical_blocks, {"tp": 1}, 2)[0],

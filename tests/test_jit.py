@@ -92,8 +92,12 @@ def traced_equals_eager(mesh, model_name: str) -> list[str]:
     return problems
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-@pytest.mark.parametrize("model_name", ["mlp", "cnn", "gpt"])
+@pytest.mark.parametrize(
+    "world_size, model_name",
+    # At 4 ranks the GPT in the default suite, the MLP and the CNN with the slow tests (suite time).
+    [(2, "mlp"), (2, "cnn"), (2, "gpt"), pytest.param(4, "mlp", marks=pytest.mark.slow),
+     pytest.param(4, "cnn", marks=pytest.mark.slow), (4, "gpt")],
+)
 def test_every_schedule_is_bit_identical_to_eager(local_world, world_size, model_name):
     for rank, problems in enumerate(local_world(world_size).run(traced_equals_eager, model_name)):
         assert not problems, f"rank {rank}: " + "\n".join(problems)
