@@ -99,6 +99,14 @@ def precision_of(name: str):
     return fs.Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
+def schedule_of(trace):
+    """False: the eager reference; True: the canonical step's default schedule (each unit gathered
+    once per step); "per chunk": `fs.Schedule()` (gathered for every chunk)."""
+    if trace == "per chunk":
+        return fs.Schedule()
+    return None if trace else fs.Schedule(trace=False)
+
+
 def train(
     mesh,
     model: str = "gpt",
@@ -119,7 +127,7 @@ def train(
         optimizer = fs.optim.chain(fs.optim.clip_by_global_norm(0.5), fs.optim.adamw(lr=1e-2, weight_decay=0.1))
         extra = {} if microbatches is None else {"microbatches": microbatches}
         step = fs.sharded_step(
-            loss_fn, mesh, optimizer=optimizer, schedule=fs.Schedule(trace=trace), precision=precision_of(precision),
+            loss_fn, mesh, optimizer=optimizer, schedule=schedule_of(trace), precision=precision_of(precision),
             canonical_chunks=canonical, **extra,
         )  # fmt: skip
         state = step.init(params)

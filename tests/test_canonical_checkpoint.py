@@ -40,7 +40,7 @@ def make_step(mesh, trace: bool = True):
 
     optimizer = fs.optim.chain(fs.optim.clip_by_global_norm(0.05), fs.optim.adamw(lr=1e-2, weight_decay=0.1))
     step = fs.sharded_step(
-        loss_fn, mesh, optimizer=optimizer, schedule=fs.Schedule(trace=trace), canonical_chunks=CHUNKS
+        loss_fn, mesh, optimizer=optimizer, schedule=None if trace else fs.Schedule(trace=False), canonical_chunks=CHUNKS
     )
     return step, params
 

@@ -3,9 +3,11 @@ test_canonical.py runs a corner of it).
 
 `fs.models.GPT` with dropout 0.1 and a Hugging Face Llama (attention dropout 0.1, right padding,
 `-100` labels, `fs.WeightedLoss` by token count), each in fp32 and in bf16 mixed precision
-(bf16 parameters, fp32 reduce), AdamW with clipping, `canonical_chunks=8`, 20 steps, traced, at
-world sizes 1 (8 micro-batches), 2, 4 and 8 (`{"fsdp": n}`), at `{"replicate": 2, "fsdp": 2}`,
-and at 2 with `microbatches=4` passed explicitly; eager at 1 and 4: every parameter, every
+(bf16 parameters, fp32 reduce), AdamW with clipping, `canonical_chunks=8`, 20 steps, traced
+with the canonical step's default schedule (each unit gathered once per step) at world sizes 1
+(8 micro-batches), 2, 4 and 8 (`{"fsdp": n}`), at `{"replicate": 2, "fsdp": 2}`, at 2 with
+`microbatches=4` passed explicitly and at 2 with per-chunk gathers (`fs.Schedule()`); eager at 1
+and 4: every parameter, every
 optimizer moment (shards joined in shard order), every per-step mean loss and grad norm, and
 `step.evaluate`'s loss bit-identical (`torch.equal`) across all of them.
 """
@@ -25,6 +27,7 @@ RUNS = [
     ("world 1 traced (8 micro-batches)", 1, True, None),
     ("world 1 eager", 1, False, None),
     ("world 2 traced", 2, True, None),
+    ("world 2 traced, per-chunk gathers (fs.Schedule())", 2, "per chunk", None),
     ("world 2 traced, microbatches=4 passed", 2, True, 4),
     ("world 4 traced", 4, True, None),
     ("world 4 eager", 4, False, None),
