@@ -20,6 +20,7 @@ kernels split their sums, hence the bits (the step's facts name the count).
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import assume, given, settings
@@ -334,3 +335,37 @@ def test_reduce_and_chunk_values_give_the_tree_on_gloo(local_world):
         assert torch.equal(torch.cat([r[0] for r in sorted(results, key=lambda r: r[2])]), _canonical.tree_sum(rows))
         assert all(torch.equal(r[1], rows[:, :3]) for r in results)
 
+
+
+def test_plan_a_canonical_step_at_scale_in_one_process():
+    """`fs.analysis.plan(..., canonical_chunks=G)` on an `AbstractMesh`: each unit gathered once per
+    step (the canonical default), its gradient reduced once — an all-to-all over `fsdp` — and the
+    replicas' partial sums met by an all-gather over `replicate`; a degree that cannot be invariant
+    is refused before tracing."""
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=31, block_size=16, n_layer=2, n_head=2, d_model=24))
+    apply_fn, params = fs.functionalize(model)
+
+    def loss_fn(p, batch):
+        x, y = batch
+        logits = apply_fn(p, x)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+    batch = (torch.empty(2, 11, dtype=torch.long, device="meta"),) * 2  # one rank's 2 chunks of 1 row
+    mesh = fs.analysis.AbstractMesh({"replicate": 2, "fsdp": 4})
+    analysis, compiled = fs.analysis.plan(
+        loss_fn, params, batch, mesh=mesh, optimizer=fs.optim.adamw(1e-3), canonical_chunks=16
+    )
+    buffers = {c.buffer for c in analysis.collectives if c.buffer}
+    gathers = [c for c in analysis.collectives if c.kind == "all_gather" and c.buffer]
+    scatters = [c for c in analysis.collectives if c.kind == "reduce_scatter"]
+    assert len(gathers) == len(buffers)  # once per step, shared by the chunks
+    assert len(scatters) == len(buffers) and {c.axis for c in scatters} == {"fsdp"}
+    a2a = torch.ops._c10d_functional.all_to_all_single.default
+    assert sum(1 for n in compiled.graph_module.graph.nodes if n.target is a2a) == len(buffers)
+    replicas = [c for c in analysis.collectives if c.kind == "all_gather" and c.axis == "replicate"]
+    assert len(replicas) >= len(buffers)  # the replicas' partial sums (and the chunks' losses)
+    assert analysis.memory.peak > 0
+    with pytest.raises(ValueError, match="power of two that divides canonical_chunks"):
+        fs.analysis.plan(loss_fn, params, batch, mesh=fs.analysis.AbstractMesh({"fsdp": 3}),
+                         optimizer=fs.optim.adamw(1e-3), canonical_chunks=12)

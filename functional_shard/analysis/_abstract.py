@@ -157,12 +157,14 @@ def plan(
     donate: bool = False,
     precision=None,
     placements=None,
+    microbatches: int = 1,
+    canonical_chunks: int | None = None,
 ) -> tuple[Analysis, Any]:
     """Trace and analyze one step of `loss_fn` on `mesh` without running it: `(analysis, compiled)`.
 
     Arguments:
-        loss_fn / optimizer / schedule / units / has_aux / donate / precision / placements: as
-            for `fs.sharded_step` (`placements`: the tensor-parallel rules, required when the
+        loss_fn / optimizer / schedule / units / has_aux / donate / precision / placements /
+            microbatches / canonical_chunks: as for `fs.sharded_step` (`placements`: the tensor-parallel rules, required when the
             mesh has a `tp` axis of size > 1; `loss_fn` then runs on this rank's pieces, e.g. a
             model `fs.tensor_parallel.parallelize`d on the same abstract mesh).
         params: the FULL parameter pytree, on the meta device or real (only shapes and dtypes
@@ -175,7 +177,7 @@ def plan(
     """
     step = sharded_step(
         loss_fn, mesh, optimizer=optimizer, schedule=schedule, units=units, has_aux=has_aux, donate=donate,
-        precision=precision, placements=placements,
+        precision=precision, placements=placements, microbatches=microbatches, canonical_chunks=canonical_chunks,
     )
     compiled = step.lower(abstract_state(step, params), batch)
     return analyze(compiled), compiled
