@@ -163,10 +163,12 @@ def plan(
     """Trace and analyze one step of `loss_fn` on `mesh` without running it: `(analysis, compiled)`.
 
     Arguments:
-        loss_fn / optimizer / schedule / units / has_aux / donate / precision / placements /
-            microbatches / canonical_chunks: as for `fs.sharded_step` (`placements`: the tensor-parallel rules, required when the
+        loss_fn / optimizer / schedule / units / has_aux / donate / precision / placements: as
+            for `fs.sharded_step` (`placements`: the tensor-parallel rules, required when the
             mesh has a `tp` axis of size > 1; `loss_fn` then runs on this rank's pieces, e.g. a
             model `fs.tensor_parallel.parallelize`d on the same abstract mesh).
+        microbatches / canonical_chunks: as for `fs.sharded_step` (micro-batches; a
+            layout-invariant step, planned with its chunks as micro-batches).
         params: the FULL parameter pytree, on the meta device or real (only shapes and dtypes
             are read; each leaf is cut to this rank's piece as `step.init` cuts it).
         batch: one rank's batch, meta tensors (e.g. `torch.empty(b, s, dtype=torch.long, device="meta")`).
