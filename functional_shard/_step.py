@@ -9,6 +9,7 @@ mutated (unless donated).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import torch
@@ -453,6 +454,7 @@ def sharded_step(
     nonfinite: NonFinite | str | None = None,
     placements: Any = None,
     canonical_chunks: int | None = None,
+    pipeline: Any = None,
 ) -> ShardedStep:
     """Make a fully sharded (FSDP / ZeRO-3) training step for `loss_fn`.
 
@@ -511,8 +513,18 @@ def sharded_step(
     tokens) to weigh ranks and micro-batches: the step then trains on the weighted mean,
     exactly like single-process training on the concatenated batch.
 
+        pipeline: with a `pp` axis in the mesh, how to run it: an `fs.pipeline.Pipeline` (or a
+            built-in schedule's name, "gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv");
+            default "1f1b" on a mesh with `pp` > 1. `microbatches` is the pipeline's M. The
+            units are cut into `pp x stages_per_rank` stages, `loss_fn` is traced and cut
+            with them, and the schedule is proved by `fs.pipeline.check` before anything is
+            sent (docs/pipelining.md). Returns a `PipelineStep`.
+
     Returns a `ShardedStep`: `state = step.init(params)`, then `state, metrics = step(state, batch)`.
     """
+    if pipeline is not None or mesh.shape.get("pp", 1) > 1:
+        return _pipeline_step(loss_fn, mesh, optimizer, schedule, units, has_aux, donate, precision, microbatches,
+                              nonfinite, placements, canonical_chunks, pipeline)  # fmt: skip
     return ShardedStep(
         loss_fn,
         mesh,
@@ -528,3 +540,28 @@ def sharded_step(
         placements=placements,
         canonical_chunks=canonical_chunks,
     )
+
+
+def _pipeline_step(loss_fn, mesh, optimizer, schedule, units, has_aux, donate, precision, microbatches, nonfinite,
+                   placements, canonical_chunks, pipeline):  # fmt: skip
+    from ._pipe_step import PipelineStep
+    from .pipeline import Pipeline
+
+    if mesh.shape.get("pp", 1) < 1 or "pp" not in mesh.shape:
+        raise MeshError(f"pipeline= needs a 'pp' axis in the mesh; the {mesh.describe()} has none")
+    if canonical_chunks is not None:
+        raise StepError("canonical_chunks does not compose with a pipeline yet")
+    if schedule is not None and (not isinstance(schedule, Schedule) or dataclasses.replace(schedule, trace=True) != Schedule()):
+        raise StepError(
+            "a pipelined step takes fs.Schedule() or fs.Schedule(trace=False) (the oracle: every transfer waited where "
+            f"its action stands); its other fields do not apply to a pipeline yet; got {schedule!r}"
+        )
+    if pipeline is None:
+        pipeline = Pipeline()
+    elif isinstance(pipeline, str):
+        pipeline = Pipeline(pipeline)
+    elif not isinstance(pipeline, Pipeline):
+        raise TypeError(f"pipeline= takes an fs.pipeline.Pipeline or a schedule's name; got {type(pipeline).__name__}")
+    return PipelineStep(loss_fn, mesh, optimizer=as_optimizer(optimizer), pipeline=pipeline, microbatches=microbatches,
+                        trace=schedule is None or schedule.trace, units=units, has_aux=has_aux, donate=donate,
+                        precision=precision, nonfinite=nonfinite, placements=placements)  # fmt: skip

@@ -35,6 +35,8 @@ from ._builtins import zbv as zbv
 from ._builtins import zero_bubble_h1 as zero_bubble_h1
 from ._check import CheckResult as CheckResult
 from ._check import check as check
+from ._config import Pipeline as Pipeline
+from ._config import build_schedule as build_schedule
 
 __all__ = [
     "Action",
@@ -43,10 +45,12 @@ __all__ = [
     "CheckResult",
     "Costs",
     "Interval",
+    "Pipeline",
     "PipelineSchedule",
     "ScheduleError",
     "TensorMeta",
     "analyze",
+    "build_schedule",
     "check",
     "explain",
     "gpipe",

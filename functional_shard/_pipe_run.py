@@ -1,0 +1,296 @@
+"""The pipeline executor: one rank walks its row of a `fs.pipeline` schedule, action by action.
+
+Each action does one thing (`docs/pipelining.md`):
+
+- `UNSHARD s`: gather stage s's units over the shard axis (each unit once per step, shared by
+  the micro-batches, as FSDP2 does under pipelining); the gathered leaves are the leaves the
+  stage's backward differentiates;
+- `F s m`: run stage s's program on micro-batch m (its received values, its gathered
+  parameters, its batch leaves), keeping its autograd graph;
+- `B s m`: the backward of `F s m` from the received cotangents (the last stage: from the
+  loss, seeded with 1): the parameters' gradients added to the stage's sum, the inputs'
+  cotangents kept for `SEND_B`; `I s m` then `W s m`: the same in two halves (inputs first);
+- `SEND_F`/`RECV_F`/`SEND_B`/`RECV_B`: point-to-point over the `pp` axis (`PointToPoint`);
+- `RESHARD s`: drop the gathered leaves; `REDUCE_GRAD s`: the stage's summed full gradients,
+  flattened per buffer, reduce-scattered over the shard axis and summed over replicate axes.
+
+Gradients add up in the order of the stage's B/W actions: every built-in schedule adds micro-batch
+0, 1, ..., M-1 (`fs.pipeline.check(...).accumulation`), so every built-in gives GPipe's bits.
+
+`overlap=False` is the oracle: every transfer is issued and waited where its action stands.
+`overlap=True` posts a run of consecutive transfers as one batch (`batch_isend_irecv`, as torch's
+pipelining does) and waits for a received tensor only where an action reads it, and for sends
+at the end of the step: the same values, moved earlier.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from ._collectives import ReduceScatterFlat
+from ._layout import Layout
+from ._shard import gather_full
+from ._stages import Cut
+from .pipeline import Action, ActionKind, PipelineSchedule
+
+__all__ = ["PointToPoint", "RunResult", "run_actions"]
+
+K = ActionKind
+
+
+class PointToPoint:
+    """Transfers between this rank and the ranks that differ from it only on the `pp` axis."""
+
+    def __init__(self, mesh, overlap: bool):
+        self.mesh = mesh
+        self.overlap = overlap
+        self.pending_sends: list = []
+
+    def peer(self, pp_index: int) -> int:
+        """The global rank at pipeline coordinate `pp_index` with this rank's other coordinates."""
+        coords = dict(self.mesh.coordinates)
+        coords["pp"] = pp_index
+        rank = 0
+        for name, size in zip(self.mesh.axis_names, self.mesh.axis_sizes):
+            rank = rank * size + coords[name]
+        return rank
+
+    def post(self, ops: list[tuple[str, torch.Tensor, int]]) -> list:
+        """Issue `("send" | "recv", tensor, pp_index)` operations; returns their works (one per op)."""
+        p2p = [dist.P2POp(dist.isend if kind == "send" else dist.irecv, t, self.peer(peer)) for kind, t, peer in ops]
+        works = dist.batch_isend_irecv(p2p) if p2p else []
+        if not self.overlap:
+            for w in works:
+                w.wait()
+            return [None] * len(ops)
+        return list(works)
+
+    def finish(self) -> None:
+        for w in self.pending_sends:
+            w.wait()
+        self.pending_sends = []
+
+
+class RunResult(NamedTuple):
+    """What one rank's walk through its actions produced."""
+
+    grads: dict[str, torch.Tensor]  # trainable buffer name -> this rank's shard of the summed gradient
+    losses: list[torch.Tensor]  # per micro-batch (the last stage only): (objective, loss, weight) each
+
+
+class _Stage:
+    """One stage's working values on this rank during a step."""
+
+    def __init__(self):
+        self.leaves: list[torch.Tensor] | None = None  # gathered parameters, in the program's order
+        self.local: list[torch.Tensor] = []
+        self.sums: list[torch.Tensor | None] = []  # summed gradient per parameter leaf
+        self.graphs: dict[int, tuple[list, list]] = {}  # micro-batch -> (inputs, outputs) of its forward
+        self.received: dict[int, list] = {}  # micro-batch -> received values (tensors or pending works)
+        self.cotangents: dict[int, list] = {}  # micro-batch -> received cotangents of its sent values
+        self.input_cotangents: dict[int, list] = {}  # micro-batch -> cotangents of its received values
+        self.outputs: dict[int, list] = {}  # micro-batch -> values to send forward
+        self.kept: dict[int, list] = {}  # micro-batch -> cotangents an I received, for its W
+
+
+def run_actions(
+    schedule: PipelineSchedule,
+    row: tuple[Action, ...],
+    cut: Cut,
+    layout: Layout,
+    shards: list[torch.Tensor],
+    local_leaves: list[torch.Tensor],
+    leaf_index: dict[int, int],
+    micro_batches: list[list[torch.Tensor]],
+    mesh,
+    p2p: PointToPoint,
+    backward: bool = True,
+) -> RunResult:
+    """Run this rank's `row` of `schedule`.
+
+    Arguments:
+        schedule: the lowered schedule (for stage -> rank).
+        row: this pipeline rank's actions.
+        cut: the stage programs.
+        layout / shards: this rank's layout (its stages' units) and shards.
+        local_leaves: every module buffer, indexed like the full tree's leaves via `leaf_index`.
+        leaf_index: full-tree leaf index -> leaf index in `layout` (parameters and buffers).
+        micro_batches: per micro-batch, its flat batch leaves.
+        mesh: the step's mesh.
+        p2p: the transfers' issuer.
+        backward: False for a forward-only run (evaluation): no autograd graph is kept.
+    """
+    stages = {s: _Stage() for s in schedule.stages_of(mesh.coordinates.get("pp", 0))}
+    last = schedule.num_stages - 1
+    losses: dict[int, list] = {}
+    by_unit: dict[int, list[int]] = {}  # stage -> indices of its buffers in the layout
+    unit_stage = {}
+    for k, spec in enumerate(layout.buffers):
+        for i in spec.leaves:
+            unit_stage[i] = k
+    for s in stages:
+        by_unit[s] = sorted({unit_stage[leaf_index[i]] for i in cut.stages[s].params})
+    grads: dict[str, torch.Tensor] = {}
+    waits: dict[tuple, list] = {}
+    pending: list[tuple[Action, Any]] = []
+
+    def flush() -> None:
+        if not pending:
+            return
+        ops = []
+        for a, tensor in pending:
+            peer = schedule.rank_of(a.peer_stage())
+            ops.append(("send" if a.kind in (K.SEND_F, K.SEND_B) else "recv", tensor, peer))
+        works = p2p.post(ops)
+        for (a, tensor), w in zip(pending, works):
+            if w is None:
+                continue
+            if a.kind in (K.SEND_F, K.SEND_B):
+                p2p.pending_sends.append(w)
+            else:
+                waits.setdefault((a.kind, a.stage, a.microbatch), []).append(w)
+        pending.clear()
+
+    def ready(kind, s, m) -> None:
+        for w in waits.pop((kind, s, m), []):
+            w.wait()
+
+    for a in row:
+        if a.kind not in (K.SEND_F, K.RECV_F, K.SEND_B, K.RECV_B):
+            flush()
+        s, m = a.stage, a.microbatch
+        st = stages.get(s)
+        if st is None:
+            raise RuntimeError(f"action {a} is for stage {s}, which this rank does not hold")
+        program = cut.stages[s]
+        if a.kind is K.UNSHARD:
+            leaves: dict[int, torch.Tensor] = {}
+            for k in by_unit[s]:
+                spec = layout.buffers[k]
+                full = gather_full(spec, shards[k], mesh, differentiable=False)
+                leaves.update(zip(spec.leaves, layout.unflatten_buffer(spec, full)))
+            st.leaves = [leaves[leaf_index[i]].detach().requires_grad_(backward and _trainable(layout, leaf_index[i])) for i in program.params]
+            st.local = [local_leaves[i] for i in program.local]
+            st.sums = [None] * len(program.params)
+        elif a.kind is K.RESHARD:
+            st.leaves = None
+        elif a.kind is K.F:
+            if st.leaves is None:
+                raise RuntimeError(f"{a}: stage {s} is not gathered (no {s}UNSHARD before it)")
+            if s == 0:
+                inputs = []
+            elif schedule.rank_of(s - 1) == schedule.rank_of(s):
+                inputs = stages[s - 1].outputs.pop(m)
+            else:
+                ready(K.RECV_F, s, m)
+                inputs = st.received.pop(m)
+            inputs = [t.detach().requires_grad_(backward and b.differentiable) for t, b in zip(inputs, program.received)]
+            batch = [micro_batches[m][i] for i in program.batch]
+            with torch.set_grad_enabled(backward):
+                outputs = program.module(st.leaves, inputs, batch, st.local)
+            if backward:
+                st.graphs[m] = (inputs, outputs)
+            if s == last:
+                losses[m] = [o.detach() for o in outputs]
+            else:
+                st.outputs[m] = [o.detach() for o in outputs]
+        elif a.kind in (K.B, K.I, K.W):
+            _backward(a, st, stages, program, schedule, last, ready)
+        elif a.kind is K.SEND_F:
+            for t in st.outputs.pop(m):
+                pending.append((a, t.contiguous()))
+        elif a.kind is K.RECV_F:
+            bufs = [torch.empty(b.shape, dtype=b.dtype, device=_device(mesh)) for b in program.received]
+            st.received[m] = bufs
+            pending.extend((a, t) for t in bufs)
+        elif a.kind is K.SEND_B:
+            for t in st.input_cotangents.pop(m):
+                pending.append((a, t.contiguous()))
+        elif a.kind is K.RECV_B:
+            bufs = [torch.empty(b.shape, dtype=b.dtype, device=_device(mesh)) for b in program.sent if b.differentiable]
+            st.cotangents[m] = bufs
+            pending.extend((a, t) for t in bufs)
+        elif a.kind is K.REDUCE_GRAD:
+            grads.update(_reduce(layout, by_unit[s], program, st, leaf_index, mesh))
+        elif a.kind is K.OPTIMIZER:
+            raise RuntimeError(f"{a}: the optimizer runs once after every stage's gradients (not an action)")
+    flush()
+    p2p.finish()
+    return RunResult(grads, [losses[m] for m in sorted(losses)])
+
+
+def _device(mesh) -> torch.device:
+    return getattr(mesh, "device", torch.device("cpu"))
+
+
+def _trainable(layout: Layout, leaf: int) -> bool:
+    return any(leaf in spec.leaves and spec.trainable for spec in layout.buffers)
+
+
+def _backward(a: Action, st: _Stage, stages, program, schedule, last, ready) -> None:
+    """B, I or W of micro-batch `a.microbatch` through stage `a.stage`: gradients of the parameters
+    added to the stage's sums (B, W), cotangents of the received values kept for SEND_B (B, I)."""
+    s, m = a.stage, a.microbatch
+    inputs, outputs = st.graphs[m]
+    if s == last:  # the loss: seeded with 1 (the mean over micro-batches and ranks is taken after)
+        roots, cotangents = [outputs[0]], [torch.ones_like(outputs[0])]
+    else:
+        roots = [o for o, b in zip(outputs, program.sent) if b.differentiable]
+        if a.kind is K.W:  # the cotangents its I received
+            cotangents = st.kept.pop(m)
+        else:
+            if schedule.rank_of(s + 1) == schedule.rank_of(s):
+                cotangents = stages[s + 1].input_cotangents.pop(m)
+            else:
+                ready(K.RECV_B, s, m)
+                cotangents = st.cotangents.pop(m)
+            if a.kind is K.I:
+                st.kept[m] = cotangents
+    want_inputs, want_params = a.kind in (K.B, K.I), a.kind in (K.B, K.W)
+    diff_inputs = [t for t in inputs if t.requires_grad] if want_inputs else []
+    diff_params = [p for p in st.leaves if p.requires_grad] if want_params else []
+    targets = diff_params + diff_inputs
+    pairs = [(r, c) for r, c in zip(roots, cotangents) if r.requires_grad]
+    if targets and pairs:
+        got = torch.autograd.grad(
+            [r for r, _ in pairs], targets, [c for _, c in pairs], allow_unused=True, retain_graph=a.kind is K.I
+        )
+    else:
+        got = [None] * len(targets)
+    if want_params:
+        k = 0
+        for j, p in enumerate(st.leaves):
+            if p.requires_grad:
+                g = got[k]
+                k += 1
+                if g is not None:
+                    st.sums[j] = g if st.sums[j] is None else st.sums[j] + g
+    if want_inputs:
+        cots = got[len(diff_params):]
+        st.input_cotangents[m] = [c if c is not None else torch.zeros_like(t) for c, t in zip(cots, diff_inputs)]
+    if a.kind in (K.B, K.W):
+        del st.graphs[m]
+
+
+def _reduce(layout: Layout, buffers: list[int], program, st: _Stage, leaf_index, mesh) -> dict[str, torch.Tensor]:
+    """Stage `program`'s summed full gradients, per trainable buffer, reduce-scattered."""
+    by_leaf = {leaf_index[i]: (st.sums[j], st.leaves[j]) for j, i in enumerate(program.params)}
+    out = {}
+    for k in buffers:
+        spec = layout.buffers[k]
+        if not spec.trainable:
+            continue
+        parts = []
+        for i in spec.leaves:
+            g, p = by_leaf.get(i, (None, None))
+            shape = layout.shapes[i]
+            parts.append(torch.zeros(shape, dtype=spec.reduce_dtype, device=_device(mesh)) if g is None else g.to(spec.reduce_dtype))
+        parts = [t.reshape(-1) for t in parts]
+        parts.append(torch.zeros(spec.padded_numel - spec.numel, dtype=spec.reduce_dtype, device=_device(mesh)))
+        full = torch.cat(parts)
+        grad = ReduceScatterFlat.apply(full.contiguous(), mesh, spec)
+        out[spec.name] = grad if grad.dtype == spec.dtype else grad.to(spec.dtype)
+    return out

@@ -1,0 +1,283 @@
+"""`PipelineStep`: `fs.sharded_step` on a mesh with a `pp` axis.
+
+Each pipeline rank holds the units of its stages (FSDP shards them over `fsdp` among the ranks
+of the same pipeline coordinate, tensor parallelism cuts them over `tp`); `loss_fn` is traced once
+per micro-batch signature and cut into stage programs (`_stages`); the schedule — a value of
+`fs.pipeline`, lowered with its transfers and FSDP actions and proved by `fs.pipeline.check`
+before any rank sends anything — is walked action by action (`_pipe_run`). Then, on every rank:
+
+    mean gradient = (summed gradient over micro-batches and data-parallel ranks) / count
+                    (count = M x data ranks, or the global sum of weights of an fs.WeightedLoss)
+    grad_norm     = sqrt(sum over the pipeline's stages of their sums of squares)
+    shards, opt   = optimizer(mean gradient, ...)               (clipping sees the global norm)
+
+which is the non-pipelined step's arithmetic with the micro-batches' gradients added in
+micro-batch order (`fs.pipeline.check(...).accumulation`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from . import _nonfinite, _random
+from ._checks import check_leaves, check_same_values
+from ._jit import agree
+from ._layout import make_layout
+from ._mesh import BaseMesh, MeshError, PeerError
+from ._pipe_run import PointToPoint, run_actions
+from ._placed import place, resolve_placements
+from ._pytree import tree_flatten, tree_paths
+from ._reference import StepError, StepOutput, split_microbatches
+from ._shard import Sharded, _check_shards, shard_leaves
+from ._stages import Cut, assign_stages, cut_stages
+from ._state import StepState, _StepKey, check_not_donated
+from ._tree import BUFFER, FROZEN, TRAINABLE, ModuleParams, leaf_roles
+from ._units import assign_units
+from .optim import LeafLayout, global_norm
+from .pipeline import Pipeline, PipelineSchedule, ScheduleError, build_schedule, check, with_communication
+
+__all__ = ["PipelineStep"]
+
+
+class PipelineStep:
+    """A pipelined (and sharded) training step; made by `fs.sharded_step(..., pipeline=...)` on a
+    mesh with a `pp` axis. `init(params)`, `step(state, batch)`, `evaluate(state, batch)`,
+    `explain()`, as `ShardedStep`'s."""
+
+    def __init__(self, loss_fn: Callable, mesh: BaseMesh, *, optimizer, pipeline: Pipeline, microbatches: int,
+                 trace: bool, units, has_aux: bool, donate: bool, precision, nonfinite, placements):  # fmt: skip
+        if has_aux:
+            raise StepError("a pipelined step does not return aux yet (has_aux=True): return the loss only")
+        if precision is not None and precision.loss_scale is not None:
+            raise StepError("a pipelined step does not support fp16 loss scaling yet: use bfloat16 (fs.Precision(...))")
+        split = [a for a in mesh.model_axes if a not in ("tp", "pp")]
+        if split:
+            raise MeshError(f"fs.sharded_step does not apply the model-parallel axis {split[0]!r} of the {mesh.describe()}")
+        if "tp" in mesh.model_axes and placements is None:
+            raise MeshError(f"the {mesh.describe()} has a 'tp' axis but no placements= were given (docs/parallelism.md)")
+        self.loss_fn, self.mesh, self.optimizer = loss_fn, mesh, optimizer
+        self.pipeline, self.microbatches, self.trace = pipeline, microbatches, trace
+        self.units, self.donate, self.precision, self.placements = units, donate, precision, placements
+        self.nonfinite = _nonfinite.resolve(nonfinite, donate=donate, loss_scale=None)
+        self.num_ranks = mesh.shape["pp"]
+        self.pp_rank = mesh.coordinates["pp"]
+        base = build_schedule(pipeline, self.num_ranks, microbatches)
+        if base.num_ranks != self.num_ranks or base.num_microbatches != microbatches:
+            raise ScheduleError(
+                f"the pipeline schedule {base.name!r} is for {base.num_ranks} pipeline rank(s) and {base.num_microbatches} "
+                f"micro-batch(es), but the mesh has pp={self.num_ranks} and the step microbatches={microbatches}"
+            )
+        lowered = base if base.has_communication() or any(not a.is_compute for r in base.actions for a in r) else (
+            with_communication(base, fsdp=True, reduce_grad=True))  # fmt: skip
+        sends = "nonblocking" if trace else "rendezvous"
+        self.check = check(lowered, sends=sends, num_ranks=self.num_ranks, num_microbatches=microbatches)
+        if not self.check.backward:
+            raise ScheduleError(f"the pipeline schedule {base.name!r} has no backward actions: a training step needs them")
+        self.schedule: PipelineSchedule = lowered
+        self.num_stages = lowered.num_stages
+        forward = PipelineSchedule(tuple(tuple(a for a in row if a.kind.value == "F") for row in base.compute_only().actions),
+                                   microbatches, base.stages_per_rank, base.placement, name=f"{base.name} (forward)")  # fmt: skip
+        self.eval_schedule = with_communication(forward, fsdp=True, reduce_grad=False)
+        input_dtype = precision.input_dtype() if precision is not None else None
+        self._input_dtype = input_dtype
+        self._cuts: dict[str, Cut] = {}
+        name = getattr(loss_fn, "__qualname__", type(loss_fn).__name__)
+        self._key = _StepKey(f"{name} at 0x{id(self):x} on {mesh!r} (pipeline {base.name})")
+        self._facts = (f"pipeline {base.name}: {self.schedule.to_text()}", f"microbatches={microbatches}", f"trace={trace}")
+
+    def __repr__(self) -> str:
+        return f"PipelineStep({self._key.description})"
+
+    # --- init -----------------------------------------------------------------------------
+
+    def init(self, params: Any, *, seed: int = 0, values: str = "check", initialize: Any = None) -> StepState:
+        """Cut `params` into stages, keep this rank's stages' units (sharded over `fsdp`, cut over
+        `tp`), build the optimizer state. A collective; see `ShardedStep.init`."""
+        if initialize is not None:
+            raise StepError("a pipelined step's init does not take initialize= yet: pass materialized params")
+        if values not in ("check", "trust"):
+            raise ValueError(f"a pipelined step's init(values=...) is 'check' or 'trust'; got {values!r}")
+        error = None
+        try:
+            full_layout, leaves = make_layout(params, 1, units=self.units)
+            check_leaves(full_layout, leaves, self.mesh)
+            paths, roles = tree_paths(params), leaf_roles(params)
+            sharded_paths = [p for p, r in zip(paths, roles) if r != BUFFER]
+            unit_names = dict(zip(sharded_paths, assign_units(self.units, sharded_paths)))
+            order = list(dict.fromkeys(unit_names[p] for p in sharded_paths))
+            stage_of_unit = assign_stages(order, self.num_stages, self.pipeline.stages)
+            mine = set(self.schedule.stages_of(self.pp_rank))
+            parts: dict[str, dict] = {TRAINABLE: {}, FROZEN: {}, BUFFER: {}}
+            for path, role, leaf in zip(paths, roles, leaves):
+                if role == BUFFER or stage_of_unit[unit_names[path]] in mine:
+                    parts[role][path] = leaf
+            sub = ModuleParams(parts[TRAINABLE], parts[FROZEN], parts[BUFFER])
+            unit_of = lambda path: unit_names[path]  # noqa: E731 - the full tree's units
+            placements = resolve_placements(sub, self.placements, self.mesh)
+            with torch.no_grad():
+                if placements is None:
+                    layout, pieces = make_layout(sub, self.mesh.num_shards, units=unit_of, precision=self.precision)
+                else:
+                    layout, pieces = place(sub, placements, self.mesh, units=unit_of, precision=self.precision)
+                    full_pieces = place(params, resolve_placements(params, self.placements, self.mesh), self.mesh,
+                                        units=self.units, precision=self.precision)  # fmt: skip
+        except Exception as e:  # noqa: BLE001 (the other ranks must learn of it)
+            error = e
+        self.mesh.succeed_together("step.init", error, lambda failed: PeerError(
+            f"ranks {failed} refused their parameters or pipeline cut in step.init (see their errors)", failed[0]))  # fmt: skip
+        if values == "check":
+            check_same_values(full_layout, [leaf.detach() for leaf in leaves], self.mesh)
+        # What every stage program takes: per leaf of the full tree, its stage, its computed shape and dtype.
+        index_of = {p: i for i, p in enumerate(layout.paths)}
+        self._leaf_index = {i: index_of[p] for i, p in enumerate(paths) if p in index_of}
+        self._stage_of_leaf = [None if r == BUFFER else stage_of_unit[unit_names[p]] for p, r in zip(paths, roles)]
+        shapes = full_pieces[0].shapes if placements is not None else full_layout.shapes
+        dtypes = []
+        gather = {}
+        for spec in (full_pieces[0] if placements is not None else make_layout(params, 1, units=self.units, precision=self.precision)[0]).buffers:
+            for i in spec.leaves:
+                gather[i] = spec.gather_dtype
+        for i, leaf in enumerate(leaves):
+            dtypes.append(gather.get(i, leaf.dtype))
+        self._treedef = tree_flatten(params)[1]
+        self._meta = [torch.empty(s, dtype=d, device="meta") for s, d in zip(shapes, dtypes)]
+        self._stage_of_unit = stage_of_unit
+        with torch.no_grad():
+            sharded = shard_leaves(layout, [p.detach() for p in pieces], self.mesh)
+            trainable = {spec.name: s for spec, s in zip(layout.buffers, sharded.shards) if spec.trainable}
+            opt_state = self.optimizer.init(trainable, leaves=LeafLayout.of_shards(layout, self.mesh.shard_index))
+        return StepState(sharded, opt_state, None, torch.tensor(seed, dtype=torch.int64), 0, self._key)
+
+    # --- the step -------------------------------------------------------------------------
+
+    def _micro(self, batch: Any) -> list[list[torch.Tensor]]:
+        micro = split_microbatches(batch, self.microbatches, self._input_dtype)
+        return micro
+
+    def _cut(self, micro: Any) -> Cut:
+        leaves = tree_flatten(micro)[0]
+        signature = ";".join(f"{tuple(t.shape)}:{t.dtype}" if isinstance(t, torch.Tensor) else repr(t) for t in leaves)
+        cut = self._cuts.get(signature)
+        if cut is None:
+            error = None
+            try:
+                cut = cut_stages(self.loss_fn, self._treedef, self._meta, self._stage_of_leaf, micro, self.num_stages, self.mesh)
+            except Exception as e:  # noqa: BLE001
+                error = e
+            self.mesh.succeed_together("a training step", error, lambda failed: PeerError(
+                f"ranks {failed} could not trace and cut loss_fn into pipeline stages (see their errors)", failed[0]))  # fmt: skip
+            self.mesh.check_same("the pipeline's stage cut", cut.describe())
+            self._cuts[signature] = cut
+        return cut
+
+    def __call__(self, state: StepState, batch: Any) -> tuple[StepState, dict[str, Any]]:
+        """One training step on this rank's batch (every pipeline rank of a data-parallel rank
+        passes the same batch). Returns `(new_state, metrics)` as `ShardedStep` does."""
+        self._check_state(state)
+        sharded = state.params
+        scalars = self.optimizer.scalars(state.opt_state)
+        error, micro = None, None
+        try:
+            micro = self._micro(batch)
+        except StepError as e:
+            error = e
+        self.mesh.succeed_together("a training step", error, lambda failed: PeerError(
+            f"ranks {failed} refused their batch (see their errors)", failed[0]))  # fmt: skip
+        agree(self.mesh, "a training step", self._facts if self.mesh.world_size > 1 else ())
+        cut = self._cut(micro[0])
+        flat = [tree_flatten(m)[0] for m in micro]
+        rng = _random.stream(int(state.rng), state.step, self.mesh.data_rank, getattr(self.mesh, "device", torch.device("cpu")))
+        local = {i: sharded.local[k] for k, i in enumerate(_local_full(self._leaf_index, sharded.layout))}
+        with rng:
+            result = run_actions(self.schedule, self.schedule.actions[self.pp_rank], cut, sharded.layout, sharded.shards,
+                                 local, self._leaf_index, flat, self.mesh, PointToPoint(self.mesh, self.trace))  # fmt: skip
+        with torch.no_grad():
+            out = self._update(cut, result, sharded, state, scalars)
+        if self.donate:
+            self._key.donated.add(state)
+        skip = _nonfinite.skip_update(self.nonfinite, out, step=state.step, rank=self.mesh.rank, loss_scale=None, donated=self.donate)
+        params = sharded if skip else sharded.replace(shards=out.shards)
+        opt_state = state.opt_state if skip else out.opt_state
+        new_state = StepState(params, opt_state, None, state.rng, state.step + 1, self._key)
+        return new_state, {"loss": out.mean_loss, "local_loss": out.loss, "grad_norm": out.grad_norm, "skipped": torch.tensor(skip)}
+
+    def _sums(self, cut: Cut, losses: list) -> torch.Tensor:
+        """[sum of losses, sum of weight * loss, sum of weights] over micro-batches, pipeline
+        stages (only the last has any) and data-parallel ranks: one all-reduce."""
+        local = torch.zeros(3, dtype=torch.float32, device=getattr(self.mesh, "device", torch.device("cpu")))
+        if losses:
+            total = losses[0][1].reshape(1).float()
+            for values in losses[1:]:
+                total = total + values[1].float()
+            local[0] = total[0]
+            if cut.weighted:
+                local[1] = sum((v[1].float() * v[2] for v in losses[1:]), losses[0][1].float() * losses[0][2])
+                local[2] = sum((v[2] for v in losses[1:]), losses[0][2])
+        axes = (*self.mesh.data_axes, "pp")
+        return self.mesh.all_reduce_flat(local, axes)
+
+    def _update(self, cut: Cut, result, sharded: Sharded, state: StepState, scalars) -> StepOutput:
+        layout, mesh = sharded.layout, self.mesh
+        sums = self._sums(cut, result.losses)
+        if cut.weighted:
+            mean_loss = (sums[1] / sums[2]).reshape(())
+            grads = {n: g / sums[2].to(g.dtype) for n, g in result.grads.items()}
+        else:
+            count = mesh.data_size * self.microbatches
+            mean_loss = (sums[0] / count).reshape(())
+            grads = {n: g / count if count != 1 else g for n, g in result.grads.items()}
+        loss = mean_loss
+        if result.losses:
+            loss = (sum(v[1].float() for v in result.losses) / len(result.losses)).reshape(())
+        trainable = {spec.name: s for spec, s in zip(layout.buffers, sharded.shards) if spec.trainable}
+        whole = layout.replicated_buffers
+        replicated = [name in whole for name in grads] if whole else None
+        norm = global_norm(list(grads.values()), mesh, replicated=replicated) if grads else torch.zeros(())
+        if not grads:  # a rank with no trainable leaf still takes part in the norm's all-reduce
+            norm = global_norm([torch.zeros(1)], mesh)
+        new, opt_state = self.optimizer.apply(grads, state.opt_state, trainable, scalars, inplace=self.donate, mesh=mesh,
+                                              leaves=LeafLayout.of_shards(layout, mesh.shard_index))  # fmt: skip
+        shards = [new.get(spec.name, s) for spec, s in zip(layout.buffers, sharded.shards)]
+        return StepOutput(shards, sharded.local, opt_state, None, mean_loss, loss, norm, None, ())
+
+    def evaluate(self, state: StepState, batch: Any) -> dict[str, Any]:
+        """The loss on `batch` without training: the forward actions of the schedule (GPipe's
+        order), every stage gathered once. Returns `loss` (mean over data ranks) and `local_loss`."""
+        self._check_state(state, "step.evaluate(state, batch)")
+        sharded = state.params
+        micro = self._micro(batch)
+        agree(self.mesh, "step.evaluate", self._facts if self.mesh.world_size > 1 else ())
+        cut = self._cut(micro[0])
+        flat = [tree_flatten(m)[0] for m in micro]
+        local = {i: sharded.local[k] for k, i in enumerate(_local_full(self._leaf_index, sharded.layout))}
+        rng = _random.stream(int(state.rng), state.step, self.mesh.data_rank, getattr(self.mesh, "device", torch.device("cpu")))
+        with rng, torch.no_grad():
+            result = run_actions(self.eval_schedule, self.eval_schedule.actions[self.pp_rank], cut, sharded.layout,
+                                 sharded.shards, local, self._leaf_index, flat, self.mesh, PointToPoint(self.mesh, self.trace),
+                                 backward=False)  # fmt: skip
+            sums = self._sums(cut, result.losses)
+        mean = (sums[1] / sums[2]) if cut.weighted else sums[0] / (self.mesh.data_size * self.microbatches)
+        return {"loss": mean.reshape(()), "local_loss": mean.reshape(())}
+
+    def explain(self) -> str:
+        """The lowered schedule, rank by rank, and the stage cut of the last traced signature."""
+        lines = [self.schedule.to_text()]
+        if self._cuts:
+            lines.append(next(reversed(self._cuts.values())).describe())
+        return "\n".join(lines)
+
+    def _check_state(self, state: StepState, what: str = "step(state, batch)") -> None:
+        if not isinstance(state, StepState):
+            raise StepError(f"{what} expects the StepState made by step.init; got {type(state).__name__}")
+        if state._key is not self._key:
+            raise StepError(f"this state was made by another step ({state._key.description}); this step is {self._key.description}")
+        check_not_donated(state, what)
+        _check_shards(state.params)
+
+
+def _local_full(leaf_index: dict[int, int], layout) -> list[int]:
+    """Full-tree indices of the layout's local leaves (module buffers), in `layout.local` order."""
+    back = {v: k for k, v in leaf_index.items()}
+    return [back[i] for i in layout.local]

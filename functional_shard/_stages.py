@@ -1,0 +1,332 @@
+"""Pipeline stages cut from one trace of `loss_fn`: the user writes one function, not one per stage.
+
+`loss_fn(params, micro_batch)` is traced once per micro-batch signature with fake tensors
+(`make_fx`, no real computation, under torch.export's graph semantics), as a function of the
+flat parameter leaves and the flat batch leaves. Every node of the graph then gets a stage:
+
+- a parameter placeholder: the stage of its unit (units are contiguous runs assigned to stages
+  by `assign_stages`);
+- a node reading a parameter-derived value: the latest stage among its inputs (so the residual
+  stream flows forward and no value ever flows back);
+- a node that depends on the batch, module buffers and constants only (masks, position ids, the
+  labels' count of tokens): *free* — recomputed by every stage that reads it, never sent.
+
+A value made on stage a and read on stage c > a crosses every boundary between them (relayed by
+the stages in between): the boundary `s -> s+1` carries, in graph order, every value made at or
+before `s` and read after it. A weight read on two stages (a tied embedding and head) is such a
+value: stage a sends the weight itself and receives its cotangent, which its backward adds to
+the weight's gradient — exact, at the price of the weight's bytes per micro-batch and boundary.
+
+Stage `s`'s program is a `torch.fx.GraphModule` `(params, received, batch, local) -> sent` (the
+last stage's `sent` is what the loss returns: `(objective, loss, weight)`), built by copying the
+nodes of its stage and the free nodes it needs. Running the stages one after another gives the
+traced `loss_fn`'s values; each is differentiated on its own (`fs`'s pipeline executor).
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Callable, NamedTuple, Sequence
+
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from . import _tracing
+from ._losses import StepError, WeightedLoss, check_loss, split_loss
+from ._pytree import tree_flatten, tree_unflatten
+
+__all__ = ["Boundary", "StageProgram", "Cut", "assign_stages", "cut_stages"]
+
+_FREE = -1  # the stage of a value every stage may recompute (from the batch, buffers, constants)
+
+
+class Boundary(NamedTuple):
+    """One value crossing a stage boundary."""
+
+    name: str  # the traced node's name (for messages and the plan)
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    differentiable: bool  # floating and derived from a parameter: its cotangent flows back
+
+
+class StageProgram(NamedTuple):
+    """What one stage computes, as a graph of its own."""
+
+    index: int  # the global stage index
+    module: fx.GraphModule  # module(params, received, batch, local) -> list of sent values
+    params: tuple[int, ...]  # full-tree leaf indices of the parameters it takes, in its input order
+    received: tuple[Boundary, ...]  # values from stage index - 1, in order (none on stage 0)
+    sent: tuple[Boundary, ...]  # values to stage index + 1, in order (the last stage: its loss outputs)
+    batch: tuple[int, ...]  # batch leaf indices it reads
+    local: tuple[int, ...]  # full-tree leaf indices of module buffers it reads
+
+
+class Cut(NamedTuple):
+    """A traced `loss_fn` cut into stages."""
+
+    stages: tuple[StageProgram, ...]
+    weighted: bool  # loss_fn returns an fs.WeightedLoss: the last stage sends (objective, loss, weight)
+    summed: bool  # WeightedLoss(summed=True): the objective is the loss itself
+    loss_dtype: torch.dtype
+
+    def bytes_between(self, stage: int) -> int:
+        """Bytes stage `stage` sends to the next one per micro-batch (its activations)."""
+        return sum(_numel(b.shape) * b.dtype.itemsize for b in self.stages[stage].sent)
+
+    def describe(self) -> str:
+        lines = []
+        for p in self.stages:
+            sent = ", ".join(f"{b.name}{list(b.shape)}:{str(b.dtype).removeprefix('torch.')}" for b in p.sent)
+            lines.append(f"stage {p.index}: {len(p.module.graph.nodes)} nodes, {len(p.params)} parameter leaves -> {sent}")
+        return "\n".join(lines)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def assign_stages(units: Sequence[str], num_stages: int, stages: Any = None) -> dict[str, int]:
+    """The stage of each unit (units in their order of use: `input`, the blocks, `output`).
+
+    Arguments:
+        units: the unit names of the layout, in flatten order.
+        num_stages: how many stages (pipeline ranks x stages per rank).
+        stages: None or "blocks" (default): the repeated blocks split as evenly as possible, the
+            first stages taking one more when they do not divide; the units before the first
+            block join stage 0 and those after the last join the last stage. "units": every unit
+            counted alike. Or an explicit sequence of `num_stages` sequences of unit names
+            (contiguous, in order, covering every unit).
+
+    Raises `StepError` naming what is wrong: more stages than units (or blocks), an explicit cut
+    that skips, repeats or reorders units, or has another number of stages.
+    """
+    units = list(units)
+    if stages is None or stages == "blocks" or stages == "units":
+        policy = "blocks" if stages is None else stages
+        inner = [u for u in units if u not in ("input", "output")] if policy == "blocks" else units
+        if len(inner) < num_stages:
+            raise StepError(
+                f"the pipeline has {num_stages} stages but the model has only {len(inner)} "
+                f"{'blocks' if policy == 'blocks' else 'units'} to cut ({inner}): use fewer stages (pp x stages_per_rank) "
+                f"or a finer unit policy"
+            )
+        per, extra = divmod(len(inner), num_stages)
+        out: dict[str, int] = {}
+        index = 0
+        for s in range(num_stages):
+            for u in inner[index : index + per + (1 if s < extra else 0)]:
+                out[u] = s
+            index += per + (1 if s < extra else 0)
+        # Leaves outside the blocks: with the stage of the nearest block before them (stage 0 before the first).
+        current = 0
+        for u in units:
+            if u in out:
+                current = out[u]
+            else:
+                out[u] = current if u != "output" else num_stages - 1
+        return out
+    if isinstance(stages, str):
+        raise StepError(f"stages={stages!r}: give 'blocks', 'units' or a sequence of unit-name sequences, one per stage")
+    cut = [list(s) for s in stages]
+    if len(cut) != num_stages:
+        raise StepError(f"stages= gives {len(cut)} stages but the pipeline has {num_stages} (pp x stages_per_rank)")
+    flat = [u for s in cut for u in s]
+    if any(not s for s in cut):
+        raise StepError(f"stages= has an empty stage ({cut}): every stage needs at least one unit")
+    if flat != units:
+        missing = [u for u in units if u not in flat]
+        unknown = [u for u in flat if u not in units]
+        raise StepError(
+            f"stages= must list every unit once, in order, in contiguous runs: the units are {units}; "
+            + (f"missing {missing}" if missing else f"unknown {unknown}" if unknown else f"got {flat} (order or repeats)")
+        )
+    return {u: s for s, us in enumerate(cut) for u in us}
+
+
+def _loss_outputs(out: Any, has_aux: bool, mesh) -> tuple[list[torch.Tensor], bool, bool]:
+    """(objective, loss, weight) from what loss_fn returned, as `_reference._objective` computes them."""
+    loss, _ = split_loss(out, has_aux, mesh)
+    if isinstance(loss, WeightedLoss):
+        value, weight, summed = loss
+        weight = torch.as_tensor(weight, dtype=torch.float32)
+        check_loss(value, has_aux, mesh, out)
+        if summed:
+            w = weight.to(value.dtype)
+            return [value, torch.where(w > 0, value / w, torch.zeros_like(value)), weight], True, True
+        return [value * weight.to(value.dtype), value, weight], True, False
+    check_loss(loss, has_aux, mesh, out)
+    return [loss, loss], False, False
+
+
+def cut_stages(
+    loss_fn: Callable[..., Any],
+    treedef: Any,
+    param_leaves: Sequence[torch.Tensor],
+    stage_of_leaf: Sequence[int | None],
+    micro_batch: Any,
+    num_stages: int,
+    mesh: Any,
+) -> Cut:
+    """Trace `loss_fn(params, micro_batch)` with fake tensors and cut it into `num_stages` programs.
+
+    Arguments:
+        loss_fn: the step's loss function (a plain loss or an `fs.WeightedLoss`; no aux).
+        treedef: the structure of the parameter tree loss_fn receives.
+        param_leaves: every leaf of that tree in flatten order (any device, meta included: only
+            shapes, dtypes and devices are read).
+        stage_of_leaf: per leaf, its stage, or None for a module buffer (every stage holds them).
+        micro_batch: one micro-batch (its tensors' shapes and dtypes are read).
+        num_stages: the stages of the pipeline.
+        mesh: the step's mesh (for `split_loss` messages).
+    """
+    batch_leaves, batch_def = tree_flatten(micro_batch)
+    if any(not isinstance(b, torch.Tensor) for b in batch_leaves):
+        raise StepError("a pipelined step's batch must hold tensors only (put static values in loss_fn)")
+    info: dict[str, Any] = {}
+
+    def flat(params, batch):
+        with _tracing.graph_semantics():
+            out = loss_fn(tree_unflatten(treedef, list(params)), tree_unflatten(batch_def, list(batch)))
+        values, weighted, summed = _loss_outputs(out, False, mesh)
+        info.update(weighted=weighted, summed=summed, dtype=values[0].dtype)
+        return values
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        device = torch.device("cpu") if t.device.type == "meta" else t.device
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
+
+    with mode:
+        fp = [fake(t) for t in param_leaves]
+        fb = [fake(t) for t in batch_leaves]
+        gm = make_fx(flat, tracing_mode="real")(fp, fb)
+    return _cut(gm, len(param_leaves), stage_of_leaf, num_stages, info)
+
+
+def _cut(gm: fx.GraphModule, num_params: int, stage_of_leaf, num_stages: int, info) -> Cut:
+    graph = gm.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    params, batch = placeholders[:num_params], placeholders[num_params:]
+    stage: dict[fx.Node, int] = {}
+    param_index = {n: i for i, n in enumerate(params)}
+    batch_index = {n: i for i, n in enumerate(batch)}
+    derived: set[fx.Node] = set()  # depends on a trainable value (differentiable if floating)
+    for n in params:
+        s = stage_of_leaf[param_index[n]]
+        stage[n] = _FREE if s is None else s
+        if s is not None:
+            derived.add(n)
+    for n in batch:
+        stage[n] = _FREE
+    output = None
+    for n in graph.nodes:
+        if n.op in ("placeholder",):
+            continue
+        if n.op == "output":
+            output = n
+            continue
+        if n.op == "get_attr":
+            stage[n] = _FREE
+            continue
+        inputs = n.all_input_nodes
+        stage[n] = max((stage[i] for i in inputs), default=_FREE)
+        if any(i in derived for i in inputs):
+            derived.add(n)
+        if stage[n] == _FREE and isinstance(n.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in n.target.tags:
+            raise StepError(
+                f"loss_fn draws random numbers ({n.target}) from the batch alone, before any parameter is used: a "
+                f"pipeline recomputes such values on every stage that reads them, which would draw different numbers. "
+                f"Draw them from a value that depends on the parameters, or outside loss_fn (in the batch)"
+            )
+    assert output is not None
+    outs = list(output.args[0])
+    last = num_stages - 1
+    # Where each value is read: the latest stage of a consumer (the output is read by the last stage).
+    read_last: dict[fx.Node, int] = {}
+    for n in graph.nodes:
+        if n.op == "output":
+            for v in outs:
+                read_last[v] = last
+            continue
+        for i in n.all_input_nodes:
+            if stage.get(n, _FREE) != _FREE:
+                read_last[i] = max(read_last.get(i, _FREE), stage[n])
+    order = {n: k for k, n in enumerate(graph.nodes)}
+
+    def value(n: fx.Node) -> Boundary:
+        meta = n.meta.get("val")
+        if not isinstance(meta, torch.Tensor):
+            raise StepError(
+                f"the value {n.name} ({n.target}) crosses a pipeline stage boundary but is not a tensor ({type(meta).__name__}); "
+                "cut the stages elsewhere (stages=...)"
+            )
+        return Boundary(n.name, tuple(meta.shape), meta.dtype, n in derived and meta.dtype.is_floating_point)
+
+    boundaries = []  # boundaries[s]: the values stage s sends to s + 1
+    for s in range(last):
+        crossing = sorted((n for n, r in read_last.items() if stage[n] != _FREE and stage[n] <= s < r), key=order.get)
+        boundaries.append(crossing)
+    programs = []
+    for s in range(num_stages):
+        received = boundaries[s - 1] if s > 0 else []
+        sent_nodes = boundaries[s] if s < last else outs
+        programs.append(_program(graph, s, stage, received, sent_nodes, params, batch, param_index, batch_index, stage_of_leaf, gm, value))
+    if any(stage[v] == _FREE for v in outs) and all(stage[v] == _FREE for v in outs[:1]):
+        raise StepError(
+            "loss_fn's loss depends on no trainable parameter: the pipeline would train nothing. Compute it from the "
+            "params argument (apply_fn(params, x))"
+        )
+    return Cut(tuple(programs), info["weighted"], info["summed"], info["dtype"])
+
+
+def _program(graph, s, stage, received, sent_nodes, params, batch, param_index, batch_index, stage_of_leaf, gm, value) -> StageProgram:
+    """Stage `s`'s graph: its nodes and the free nodes they read, from `received` to `sent_nodes`."""
+    needed: set[fx.Node] = set()
+    received_set = set(received)
+    stack = list(sent_nodes)
+    while stack:  # every node between the received values (and placeholders) and what is sent
+        n = stack.pop()
+        if n in needed:
+            continue
+        needed.add(n)
+        if n in received_set or n.op == "placeholder":
+            continue
+        stack.extend(n.all_input_nodes)
+    new = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    p_in = new.placeholder("params")
+    r_in = new.placeholder("received")
+    b_in = new.placeholder("batch")
+    l_in = new.placeholder("local")
+    own_params = [n for n in params if n in needed and n not in received_set and stage_of_leaf[param_index[n]] is not None]
+    local = [n for n in params if n in needed and stage_of_leaf[param_index[n]] is None]
+    reads = [n for n in batch if n in needed]
+    for k, n in enumerate(own_params):
+        env[n] = new.call_function(operator.getitem, (p_in, k))
+    for k, n in enumerate(received):
+        env[n] = new.call_function(operator.getitem, (r_in, k))
+    for k, n in enumerate(reads):
+        env[n] = new.call_function(operator.getitem, (b_in, k))
+    for k, n in enumerate(local):
+        env[n] = new.call_function(operator.getitem, (l_in, k))
+    for n in graph.nodes:
+        if n in needed and n not in env and n.op not in ("placeholder", "output"):
+            env[n] = new.node_copy(n, lambda x: env[x])
+    new.output([env[n] for n in sent_nodes])
+    module = fx.GraphModule(gm, new)
+    sent = tuple(value(n) for n in sent_nodes)
+    return StageProgram(
+        s,
+        module,
+        tuple(param_index[n] for n in own_params),
+        tuple(value(n) for n in received),
+        sent,
+        tuple(batch_index[n] for n in reads),
+        tuple(param_index[n] for n in local),
+    )
