@@ -172,12 +172,9 @@ class PipelineStep:
             self._cuts[signature] = cut
         return cut
 
-    def __call__(self, state: StepState, batch: Any) -> tuple[StepState, dict[str, Any]]:
-        """One training step on this rank's batch (every pipeline rank of a data-parallel rank
-        passes the same batch). Returns `(new_state, metrics)` as `ShardedStep` does."""
-        self._check_state(state)
+    def _run(self, state: StepState, batch: Any):
+        """This rank's actions on `batch`: (cut, RunResult)."""
         sharded = state.params
-        scalars = self.optimizer.scalars(state.opt_state)
         error, micro = None, None
         try:
             micro = self._micro(batch)
@@ -193,6 +190,15 @@ class PipelineStep:
         with rng:
             result = run_actions(self.schedule, self.schedule.actions[self.pp_rank], cut, sharded.layout, sharded.shards,
                                  local, self._leaf_index, flat, self.mesh, PointToPoint(self.mesh, self.trace))  # fmt: skip
+        return cut, result
+
+    def __call__(self, state: StepState, batch: Any) -> tuple[StepState, dict[str, Any]]:
+        """One training step on this rank's batch (every pipeline rank of a data-parallel rank
+        passes the same batch). Returns `(new_state, metrics)` as `ShardedStep` does."""
+        self._check_state(state)
+        sharded = state.params
+        scalars = self.optimizer.scalars(state.opt_state)
+        cut, result = self._run(state, batch)
         with torch.no_grad():
             out = self._update(cut, result, sharded, state, scalars)
         if self.donate:
@@ -202,6 +208,19 @@ class PipelineStep:
         opt_state = state.opt_state if skip else out.opt_state
         new_state = StepState(params, opt_state, None, state.rng, state.step + 1, self._key)
         return new_state, {"loss": out.mean_loss, "local_loss": out.loss, "grad_norm": out.grad_norm, "skipped": torch.tensor(skip)}
+
+    def grad(self, state: StepState, batch: Any) -> tuple[Sharded, dict[str, Any]]:
+        """The mean gradient this step would apply, without applying it: `(grads, metrics)`;
+        `grads` has the layout of `state.params` (this rank's stages; frozen leaves and module
+        buffers hold zeros). A collective, like the step."""
+        self._check_state(state, "step.grad(state, batch)")
+        sharded = state.params
+        cut, result = self._run(state, batch)
+        with torch.no_grad():
+            mean_loss, loss, grads = self._mean(cut, result)
+        shards = [grads.get(spec.name, torch.zeros_like(s)) for spec, s in zip(sharded.layout.buffers, sharded.shards)]
+        out = sharded.replace(shards=shards, local=[torch.zeros_like(t) for t in sharded.local])
+        return out, {"loss": mean_loss, "local_loss": loss}
 
     def _sums(self, cut: Cut, losses: list) -> torch.Tensor:
         """[sum of losses, sum of weight * loss, sum of weights] over micro-batches, pipeline
@@ -218,8 +237,9 @@ class PipelineStep:
         axes = (*self.mesh.data_axes, "pp")
         return self.mesh.all_reduce_flat(local, axes)
 
-    def _update(self, cut: Cut, result, sharded: Sharded, state: StepState, scalars) -> StepOutput:
-        layout, mesh = sharded.layout, self.mesh
+    def _mean(self, cut: Cut, result):
+        """(mean loss over everything, this rank's loss, mean gradient shards by buffer name)."""
+        mesh = self.mesh
         sums = self._sums(cut, result.losses)
         if cut.weighted:
             mean_loss = (sums[1] / sums[2]).reshape(())
@@ -231,6 +251,11 @@ class PipelineStep:
         loss = mean_loss
         if result.losses:
             loss = (sum(v[1].float() for v in result.losses) / len(result.losses)).reshape(())
+        return mean_loss, loss, grads
+
+    def _update(self, cut: Cut, result, sharded: Sharded, state: StepState, scalars) -> StepOutput:
+        layout, mesh = sharded.layout, self.mesh
+        mean_loss, loss, grads = self._mean(cut, result)
         trainable = {spec.name: s for spec, s in zip(layout.buffers, sharded.shards) if spec.trainable}
         whole = layout.replicated_buffers
         replicated = [name in whole for name in grads] if whole else None
