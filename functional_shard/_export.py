@@ -16,6 +16,7 @@ ordered as an export of the same values without placements writes them: the same
 from __future__ import annotations
 
 import json
+import math
 import os
 import secrets
 import struct
@@ -27,7 +28,8 @@ import torch
 
 from ._collectives import gather_bytes
 from ._layout import Layout
-from ._pytree import NAMESPACE, path_string, tree_map
+from ._placed import gather_texts, layout_groups
+from ._pytree import NAMESPACE, path_string, tree_flatten, tree_map, tree_paths
 from ._shard import Sharded, _check_shards, gather
 from ._step import StepState, check_not_donated
 from ._tree import ModuleParams
@@ -103,6 +105,9 @@ def export(state: StepState | Sharded, path: str | os.PathLike | None = None, *,
     name the module's state dict uses, tied names included; buffers are this rank's); otherwise
     the full pytree. Leaves split by tensor-parallel placements are joined whole
     (`fs.gather(..., full=True)`). Every rank holds the whole model at once: for small models.
+    Where the ranks hold different leaves (a pipelined step: each pipeline coordinate its
+    stages), each rank gets the leaves it lacks from the first rank that holds them, as a state
+    dict (every leaf by its path for a tree of another kind).
 
     With `path`: streams. The ranks all-gather one flat buffer at a time; rank 0 writes its
     leaves at their place in the file and drops it before the next is gathered, so no rank holds
@@ -117,7 +122,8 @@ def export(state: StepState | Sharded, path: str | os.PathLike | None = None, *,
     concurrent export to the same path finished first), this export discards its file and
     raises `ExportError`: the first to finish wins. Returns None on every rank once the file is
     in place, or raises `ExportError` on every rank (e.g. a dtype safetensors cannot store,
-    named with its leaf, before anything is gathered).
+    named with its leaf, before anything is gathered; a state whose ranks hold different leaves,
+    which only the in-memory export joins yet).
     """
     if isinstance(state, StepState):
         check_not_donated(state, "fs.export")
@@ -128,10 +134,20 @@ def export(state: StepState | Sharded, path: str | os.PathLike | None = None, *,
         raise TypeError(f"export expects a StepState or a Sharded; got {type(state).__name__}")
     mesh = sharded.mesh
     mesh.agree(OPERATION)
+    groups = layout_groups(sharded.layout, mesh)
     if path is None:
         with torch.no_grad():
             tree = tree_map(lambda t: t.detach().clone(), gather(sharded, full=True))
+        if len(set(groups)) > 1:
+            return _union(_named(tree), groups, mesh)
         return tree.state_dict() if isinstance(tree, ModuleParams) else tree
+    if len(set(groups)) > 1:
+        raise ExportError(
+            f"fs.export(state, path) streams a state whose ranks all hold every leaf; here the ranks hold different "
+            f"leaves (a pipelined step's stages: rank groups {sorted(set(groups))}). Write the full state dict "
+            f"instead: `full = fs.export(state)` on every rank, then `safetensors.torch.save_file(full, path)` on "
+            f"rank 0 (or save a checkpoint: fs.checkpoint.save)"
+        )
     _check_shards(sharded)
     path = Path(os.path.abspath(path))
     header = FileHeader.of(sharded, aliases)  # the same on every rank: raises on every rank alike
@@ -169,6 +185,52 @@ def export(state: StepState | Sharded, path: str | os.PathLike | None = None, *,
     if not ok:
         raise ExportError(f"rank 0 could not write {path} (see its error); nothing was written")
     return None
+
+
+def _named(tree: Any) -> dict[str, torch.Tensor]:
+    """A gathered tree as a state dict: a `ModuleParams`'s own, or every leaf by its path."""
+    if isinstance(tree, ModuleParams):
+        return tree.state_dict()
+    leaves, _ = tree_flatten(tree)
+    return dict(zip(tree_paths(tree), leaves))
+
+
+def _union(named: dict[str, torch.Tensor], groups: tuple[int, ...], mesh: Any) -> dict[str, torch.Tensor]:
+    """The state dict of the whole model on every rank, from ranks that hold different leaves
+    (`groups`: `layout_groups`; a pipelined step's stages): the first rank of each layout names
+    its tensors; each tensor this rank lacks comes from the first rank (in rank order) that holds
+    it, byte for byte (an all-reduce of the bytes, zeros from every other rank); a tensor it
+    holds stays its own (module buffers: this rank's). A collective."""
+    leader = groups[mesh.rank]
+    mine = [[name, list(t.shape), str(t.dtype).removeprefix("torch.")] for name, t in named.items()]
+    said = gather_texts(mesh, json.dumps(mine) if mesh.rank == leader else "")
+    owner: dict[str, tuple[int, list[int], torch.dtype]] = {}
+    holders: dict[str, int] = {}
+    for g in sorted(set(groups)):
+        for name, shape, dtype in json.loads(said[g]):
+            owner.setdefault(name, (g, shape, getattr(torch, dtype)))
+            holders[name] = holders.get(name, 0) + 1
+    moved = [name for name in owner if holders[name] < len(set(groups))]  # what some layout lacks
+    sizes = [math.prod(owner[n][1]) * owner[n][2].itemsize for n in moved]
+    device = next(iter(named.values())).device if named else torch.device("cpu")
+    flat = torch.zeros(sum(sizes), dtype=torch.uint8, device=device)
+    offsets = [0]
+    for size in sizes:
+        offsets.append(offsets[-1] + size)
+    for name, start, stop in zip(moved, offsets, offsets[1:]):
+        if owner[name][0] == mesh.rank:
+            flat[start:stop] = named[name].detach().contiguous().reshape(-1).view(torch.uint8)
+    if moved:
+        flat = mesh.all_reduce_flat(flat)
+    position = {name: k for k, name in enumerate(moved)}
+    out = {}
+    for name, (_, shape, dtype) in owner.items():
+        if name in named:
+            out[name] = named[name]
+        else:
+            k = position[name]
+            out[name] = flat[offsets[k] : offsets[k + 1]].clone().view(dtype).reshape(shape)
+    return out
 
 
 class Record(NamedTuple):

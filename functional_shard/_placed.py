@@ -11,6 +11,11 @@ heads), a rule that matches nothing, an axis the mesh does not have, a split of 
 or over a data-parallel axis. Ranks that resolved different placements (different plans) are
 told apart by their layouts, which the step compares across ranks before sharding
 (`check_same_layout`: the message names the ranks and the first leaf they lay out differently).
+
+Ranks may also hold different leaves on purpose: a pipelined step's ranks hold the units of their
+own stages. `layout_groups` tells which ranks share a layout (one digest each), and `gather_texts`
+lets each group describe its own to the others (what a checkpoint or an export of the whole model
+needs from ranks that do not hold it).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from typing import Any, Sequence
 
 import torch
 
+from ._agreement import digest
 from ._layout import Layout, make_layout
 from ._mesh import BaseMesh, MeshError
 from ._pytree import tree_flatten, tree_paths, tree_unflatten
@@ -26,7 +32,7 @@ from ._tree import BUFFER, leaf_roles
 from ._units import Units
 from .tensor_parallel._placement import PlacementError, Split, placements_for, split_tensor
 
-__all__ = ["resolve_placements", "place", "split_leaves", "check_same_layout"]
+__all__ = ["resolve_placements", "place", "split_leaves", "check_same_layout", "layout_groups", "gather_texts"]
 
 
 def resolve_placements(params: Any, rules: Any, mesh: BaseMesh) -> tuple | None:
@@ -132,3 +138,27 @@ def check_same_layout(layout: Layout, mesh: BaseMesh) -> None:
             f"placements= rules: is the model or the plan built from something that differs across ranks?",
             error.differences,
         ) from None
+
+
+def layout_groups(layout: Layout, mesh: BaseMesh) -> tuple[int, ...]:
+    """Per rank (rank order), the lowest rank whose layout equals its own (`Layout.signature`):
+    ranks of one group hold the same leaves laid out the same way (all ranks of a step without a
+    pipeline; the ranks of one pipeline coordinate with one). A collective: one all-gather of a
+    digest per rank."""
+    if mesh.world_size == 1:
+        return (0,)
+    mine = torch.tensor([digest(layout.signature())], dtype=torch.int64, device=getattr(mesh, "device", None))
+    first: dict[int, int] = {}
+    return tuple(first.setdefault(d, rank) for rank, d in enumerate(mesh.all_gather_world(mine).tolist()))
+
+
+def gather_texts(mesh: BaseMesh, text: str) -> list[str]:
+    """Every rank's `text` (any length, empty for nothing to say), in rank order. A collective:
+    two all-gathers (the lengths, then the bytes padded to the longest)."""
+    device = getattr(mesh, "device", None)
+    data = torch.tensor(list(text.encode()), dtype=torch.uint8)
+    lengths = mesh.all_gather_world(torch.tensor([data.numel()], dtype=torch.int64, device=device)).tolist()
+    padded = torch.zeros(max(max(lengths), 1), dtype=torch.uint8)
+    padded[: data.numel()] = data
+    everyone = mesh.all_gather_world(padded.to(device)).view(mesh.world_size, -1).cpu()
+    return [bytes(everyone[rank, :n].tolist()).decode() for rank, n in enumerate(lengths)]

@@ -204,9 +204,42 @@ def cut_stages(
 
     with mode:
         fp = [fake(t) for t in param_leaves]
+        for t, s in zip(fp, stage_of_leaf):  # autograd records above the trace: see _custom_functions
+            if s is not None and t.dtype.is_floating_point:
+                t.requires_grad_(True)
         fb = [fake(t) for t in batch_leaves]
-        gm = make_fx(flat, tracing_mode="real")(fp, fb)
+        outputs: list = []
+        gm = make_fx(lambda p, b: _keep(flat(p, b), outputs), tracing_mode="real")(fp, fb)
+    custom = _custom_functions(outputs)
+    if custom:
+        raise StepError(
+            f"loss_fn uses the autograd.Function(s) {', '.join(custom)}: a pipeline stage is a graph of aten "
+            f"operations differentiated by their own formulas, which would silently replace a custom backward "
+            f"(tensor-parallel collectives, straight-through estimators, ...). Pipelining does not compose with "
+            f"them yet (docs/pipelining.md): run without pp, or write the operation from differentiable torch ops"
+        )
     return _cut(gm, len(param_leaves), stage_of_leaf, num_stages, info)
+
+
+def _keep(values: list, into: list) -> list:
+    into.extend(values)
+    return values
+
+
+def _custom_functions(outputs: list) -> list[str]:
+    """Names of the user-defined autograd.Functions in the autograd graph behind `outputs`."""
+    seen, found, stack = set(), [], [o.grad_fn for o in outputs if isinstance(o, torch.Tensor) and o.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if isinstance(node, torch.autograd.function.BackwardCFunction):
+            name = type(node).__name__.removesuffix("Backward")
+            if name not in found:
+                found.append(name)
+        stack.extend(n for n, _ in node.next_functions)
+    return found
 
 
 def _cut(gm: fx.GraphModule, num_params: int, stage_of_leaf, num_stages: int, info) -> Cut:

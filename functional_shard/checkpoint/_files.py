@@ -280,6 +280,7 @@ class ChunkReader:
 
     def __init__(self, directory: str | os.PathLike, index: dict, *, verify: bool = True):
         self.directory = Path(directory)
+        self.index = index
         self.verify = verify
         self.entries: dict[str, tuple[Entry, list[tuple[str, str, int, int]]]] = {}
         items = index.get("entries")

@@ -315,17 +315,23 @@ def entry_from_json(item: Any) -> tuple[Entry, list[tuple[str, str, int, int]]]:
     return entry, chunks
 
 
-def check_compatible(saved: list[Entry], saved_structure: str, expected: list[Entry], structure: str, where: str) -> None:
+def check_compatible(
+    saved: list[Entry], saved_structure: str, expected: list[Entry], structure: str, where: str, covered: set[str] | None = None
+) -> None:
     """Raise `CheckpointError` naming the first difference between the checkpoint and the state:
     a model leaf (in the state's order) whose name, shape or dtype differs, or that only the
-    checkpoint has; else the optimizer's structure; else the first optimizer tensor that differs."""
+    checkpoint has; else the optimizer's structure; else the first optimizer tensor that differs.
+
+    `covered`: the checkpoint's tensors that some rank's state holds, where ranks hold different
+    leaves (a pipelined step's stages): a tensor this rank lacks is then the state's if another
+    rank holds it. None: this rank's state is the whole state."""
     hint = "the checkpoint was saved from another model or optimizer (or another version of it)"
 
     def differ(what: str) -> CheckpointError:
         return CheckpointError(f"{where} does not fit this state: {what}; {hint}")
 
     by_key = {e.key: e for e in saved}
-    expected_keys = {e.key for e in expected}
+    expected_keys = {e.key for e in expected} if covered is None else {e.key for e in expected} | covered
     for part in ("params/", "opt/"):
         if part == "opt/" and saved_structure != structure:
             raise differ(f"its optimizer state is structured as {saved_structure}, this state's as {structure}")

@@ -51,7 +51,10 @@ def load(path: str | os.PathLike, template: StepState, *, verify: bool = True) -
     placement needs (the same split, or C order for a leaf it holds whole or splits along its
     first dimension); otherwise it reads the whole leaf, one at a time, and cuts its piece. The
     gathered values (`fs.gather(state.params, full=True)`) equal the saved ones bit for bit.
-    Module buffers (stored once, from rank 0 at save time) are given to every rank.
+    Module buffers (stored once, from rank 0 at save time) are given to every rank. The ranks
+    may hold different leaves (a pipelined step's ranks hold their stages' units: each reads
+    its own); the checkpoint must then hold every rank's leaves, and every leaf it holds must be
+    some rank's.
 
     Raises `CheckpointError`, on every rank and before any tensor is read, if the checkpoint is
     incomplete (naming what is missing: an interrupted save), is not a checkpoint, or does not
@@ -68,60 +71,86 @@ def load(path: str | os.PathLike, template: StepState, *, verify: bool = True) -
     _check_shards(template.params)
     mesh = template.params.mesh
     mesh.agree(OPERATION)
-    result, error = None, None
+    path = os.path.abspath(path)
+
+    def failure(failed: list[int]) -> CheckpointError:
+        return CheckpointError(f"ranks {failed} could not load {path} (see their errors); no rank loaded it")
+
+    reader, error = None, None
     try:
-        result = _load_here(os.path.abspath(path), template, verify)
+        reader = ChunkReader(path, open_index(path), verify=verify)
+        slots, structure = optimizer_slots(template.opt_state, template.params.layout)
+        expected = entries_of(template.params.layout, slots, step_tensors(template))
     except Exception as e:  # noqa: BLE001 (the other ranks must learn of it)
         error = e
-    mesh.succeed_together(
-        OPERATION, error, lambda failed: CheckpointError(f"ranks {failed} could not load {path} (see their errors); no rank loaded it")
-    )
+    try:
+        mesh.succeed_together(OPERATION, error, failure)
+        covered = _covered(reader, expected, mesh)
+        result, error = None, None
+        try:
+            result = _load_here(reader, template, slots, structure, expected, covered)
+        except Exception as e:  # noqa: BLE001
+            error = e
+    finally:
+        if reader is not None:
+            reader.__exit__(None, None, None)
+    mesh.succeed_together(OPERATION, error, failure)
     return result
 
 
-def _load_here(path: str, template: StepState, verify: bool) -> StepState:
+def _covered(reader: ChunkReader, expected: list, mesh: BaseMesh) -> set[str]:
+    """The checkpoint's tensors that some rank's state holds (every rank's the same when ranks
+    hold different leaves: a pipelined step's stages). A collective: one all-reduce of a count
+    per tensor of the checkpoint."""
+    mine = {entry.key for entry in expected}
+    keys = list(reader.entries)
+    if mesh.world_size == 1:
+        return mine & set(keys)
+    held = torch.tensor([key in mine for key in keys] or [False], dtype=torch.int32)
+    held = mesh.all_reduce_flat(held.to(getattr(mesh, "device", "cpu"))).cpu().tolist()
+    return {key for key, count in zip(keys, held) if count}
+
+
+def _load_here(reader: ChunkReader, template: StepState, slots, structure, expected, covered: set[str]) -> StepState:
     sharded = template.params
     layout, mesh = sharded.layout, sharded.mesh
-    slots, structure = optimizer_slots(template.opt_state, layout)
+    path, index = str(reader.directory), reader.index
     extras = step_tensors(template)
-    expected = entries_of(layout, slots, extras)
-    index = open_index(path)
-    with ChunkReader(path, index, verify=verify) as reader:
-        saved = [entry for entry, _ in reader.entries.values()]
-        check_compatible(saved, index.get("optimizer_structure"), expected, str(structure), f"checkpoint {path}")
-        step = index.get("step")
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise CheckpointError(f"checkpoint {path} has a malformed step count {step!r:.40}")
+    saved = [entry for entry, _ in reader.entries.values()]
+    check_compatible(saved, index.get("optimizer_structure"), expected, str(structure), f"checkpoint {path}", covered)
+    step = index.get("step")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise CheckpointError(f"checkpoint {path} has a malformed step count {step!r:.40}")
 
-        pieces = _Pieces(reader, layout, mesh)
+    pieces = _Pieces(reader, layout, mesh)
 
-        def model(i: int) -> str:
-            return model_key(layout, i)
+    def model(i: int) -> str:
+        return model_key(layout, i)
 
-        shards = [
-            _read_shard(pieces, layout, spec, mesh.shard_index, model, spec.dtype, s.device)
-            for spec, s in zip(layout.buffers, sharded.shards)
-        ]
-        local = [reader.read(model(i)).to(t.device) for i, t in zip(layout.local, sharded.local)]
-        leaves: list[Any] = []
-        for slot in slots:
-            if slot.param_like:
+    shards = [
+        _read_shard(pieces, layout, spec, mesh.shard_index, model, spec.dtype, s.device)
+        for spec, s in zip(layout.buffers, sharded.shards)
+    ]
+    local = [reader.read(model(i)).to(t.device) for i, t in zip(layout.local, sharded.local)]
+    leaves: list[Any] = []
+    for slot in slots:
+        if slot.param_like:
 
-                def key_of(i: int, prefix: str = slot.path) -> str:
-                    return optimizer_key(prefix, layout.paths[i])
+            def key_of(i: int, prefix: str = slot.path) -> str:
+                return optimizer_key(prefix, layout.paths[i])
 
-                leaves.append(
-                    {
-                        spec.name: _read_shard(
-                            pieces, layout, spec, mesh.shard_index, key_of, slot.value[spec.name].dtype, slot.value[spec.name].device
-                        )
-                        for spec in layout.buffers
-                        if spec.trainable
-                    }
-                )
-            else:
-                leaves.append(reader.read(optimizer_key(slot.path)).to(slot.value.device))
-        own = {key: reader.read(key).to(value.device) for key, value in extras}
+            leaves.append(
+                {
+                    spec.name: _read_shard(
+                        pieces, layout, spec, mesh.shard_index, key_of, slot.value[spec.name].dtype, slot.value[spec.name].device
+                    )
+                    for spec in layout.buffers
+                    if spec.trainable
+                }
+            )
+        else:
+            leaves.append(reader.read(optimizer_key(slot.path)).to(slot.value.device))
+    own = {key: reader.read(key).to(value.device) for key, value in extras}
     opt_state = structure.unflatten(leaves)
     loss_scale = template.loss_scale
     if loss_scale is not None:
