@@ -25,10 +25,12 @@ at the end of the step: the same values, moved earlier.
 
 from __future__ import annotations
 
+import time
 from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from ._collectives import ReduceScatterFlat
 from ._layout import Layout
@@ -36,7 +38,7 @@ from ._shard import gather_full
 from ._stages import Cut
 from .pipeline import Action, ActionKind, PipelineSchedule
 
-__all__ = ["PointToPoint", "RunResult", "run_actions"]
+__all__ = ["PointToPoint", "Recorder", "RunResult", "run_actions", "saved_bytes"]
 
 K = ActionKind
 
@@ -74,6 +76,46 @@ class PointToPoint:
         self.pending_sends = []
 
 
+class Recorder:
+    """What a profiled run records on this rank: each action's start and end (`time.perf_counter_ns`,
+    one clock for every process of the machine), and per stage the bytes autograd saves for each
+    micro-batch's backward (its activations, counted once per storage) and their peak in flight."""
+
+    def __init__(self):
+        self.events: list[tuple[str, int, int]] = []  # (action, start ns, end ns)
+        self.saved: dict[tuple[int, int], int] = {}  # (stage, micro-batch) -> bytes saved by its forward
+        self.live: dict[int, int] = {}  # stage -> bytes in flight now
+        self.peak: dict[int, int] = {}  # stage -> most bytes in flight
+        self.live_count: dict[int, int] = {}
+        self.peak_count: dict[int, int] = {}  # stage -> most micro-batches in flight
+
+    def forward(self, stage: int, microbatch: int, nbytes: int) -> None:
+        self.saved[stage, microbatch] = nbytes
+        self.live[stage] = self.live.get(stage, 0) + nbytes
+        self.peak[stage] = max(self.peak.get(stage, 0), self.live[stage])
+        self.live_count[stage] = self.live_count.get(stage, 0) + 1
+        self.peak_count[stage] = max(self.peak_count.get(stage, 0), self.live_count[stage])
+
+    def backward_done(self, stage: int, microbatch: int) -> None:
+        self.live[stage] -= self.saved[stage, microbatch]
+        self.live_count[stage] -= 1
+
+
+def saved_bytes(run):
+    """`(run(), bytes of the distinct storages autograd saves while it runs)`."""
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor):
+        if isinstance(t, torch.Tensor):
+            storage = t.untyped_storage()
+            storages[StorageWeakRef(storage).cdata] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = run()
+    return out, sum(storages.values())
+
+
 class RunResult(NamedTuple):
     """What one rank's walk through its actions produced."""
 
@@ -108,6 +150,7 @@ def run_actions(
     mesh,
     p2p: PointToPoint,
     backward: bool = True,
+    recorder: Recorder | None = None,
 ) -> RunResult:
     """Run this rank's `row` of `schedule`.
 
@@ -122,6 +165,7 @@ def run_actions(
         mesh: the step's mesh.
         p2p: the transfers' issuer.
         backward: False for a forward-only run (evaluation): no autograd graph is kept.
+        recorder: a `Recorder` to fill (profiling), or None.
     """
     stages = {s: _Stage() for s in schedule.stages_of(mesh.coordinates.get("pp", 0))}
     last = schedule.num_stages - 1
@@ -154,13 +198,21 @@ def run_actions(
                 waits.setdefault((a.kind, a.stage, a.microbatch), []).append(w)
         pending.clear()
 
-    def ready(kind, s, m) -> None:
-        for w in waits.pop((kind, s, m), []):
-            w.wait()
+    waited = [0]  # ns spent waiting for received tensors (not compute: a profile leaves it out)
 
+    def ready(kind, s, m) -> None:
+        works = waits.pop((kind, s, m), [])
+        if works:
+            begin = time.perf_counter_ns()
+            for w in works:
+                w.wait()
+            waited[0] += time.perf_counter_ns() - begin
+
+    clock = time.perf_counter_ns
     for a in row:
         if a.kind not in (K.SEND_F, K.RECV_F, K.SEND_B, K.RECV_B):
             flush()
+        start, waited_before = (clock() if recorder is not None else 0), waited[0]
         s, m = a.stage, a.microbatch
         st = stages.get(s)
         if st is None:
@@ -190,7 +242,11 @@ def run_actions(
             inputs = [t.detach().requires_grad_(backward and b.differentiable) for t, b in zip(inputs, program.received)]
             batch = [micro_batches[m][i] for i in program.batch]
             with torch.set_grad_enabled(backward):
-                outputs = program.module(st.leaves, inputs, batch, st.local)
+                if recorder is not None and backward:
+                    outputs, nbytes = saved_bytes(lambda: program.module(st.leaves, inputs, batch, st.local))
+                    recorder.forward(s, m, nbytes)
+                else:
+                    outputs = program.module(st.leaves, inputs, batch, st.local)
             if backward:
                 st.graphs[m] = (inputs, outputs)
             if s == last:
@@ -199,6 +255,8 @@ def run_actions(
                 st.outputs[m] = [o.detach() for o in outputs]
         elif a.kind in (K.B, K.I, K.W):
             _backward(a, st, stages, program, schedule, last, ready)
+            if recorder is not None and a.kind in (K.B, K.W):
+                recorder.backward_done(s, m)
         elif a.kind is K.SEND_F:
             for t in st.outputs.pop(m):
                 pending.append((a, t.contiguous()))
@@ -217,6 +275,8 @@ def run_actions(
             grads.update(_reduce(layout, by_unit[s], program, st, leaf_index, mesh))
         elif a.kind is K.OPTIMIZER:
             raise RuntimeError(f"{a}: the optimizer runs once after every stage's gradients (not an action)")
+        if recorder is not None:
+            recorder.events.append((str(a), start + waited[0] - waited_before, clock()))
     flush()
     p2p.finish()
     return RunResult(grads, [losses[m] for m in sorted(losses)])

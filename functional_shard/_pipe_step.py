@@ -17,7 +17,7 @@ micro-batch order (`fs.pipeline.check(...).accumulation`).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -26,7 +26,7 @@ from ._checks import check_leaves, check_same_values
 from ._jit import agree
 from ._layout import make_layout
 from ._mesh import BaseMesh, MeshError, PeerError
-from ._pipe_run import PointToPoint, run_actions
+from ._pipe_run import PointToPoint, Recorder, run_actions, saved_bytes
 from ._placed import place, resolve_placements
 from ._pytree import tree_flatten, tree_paths
 from ._reference import StepError, StepOutput, split_microbatches
@@ -36,9 +36,10 @@ from ._state import StepState, _StepKey, check_not_donated
 from ._tree import BUFFER, FROZEN, TRAINABLE, ModuleParams, leaf_roles
 from ._units import assign_units
 from .optim import LeafLayout, global_norm
-from .pipeline import Pipeline, PipelineSchedule, ScheduleError, build_schedule, check, with_communication
+from .pipeline import Action, Pipeline, PipelineSchedule, ScheduleError, build_schedule, check, with_communication
+from .pipeline import peak_in_flight as pipeline_peak_in_flight
 
-__all__ = ["PipelineStep"]
+__all__ = ["PipelineStep", "PipelineProfile"]
 
 
 class PipelineStep:
@@ -177,7 +178,7 @@ class PipelineStep:
             self._cuts[signature] = cut
         return cut
 
-    def _run(self, state: StepState, batch: Any):
+    def _run(self, state: StepState, batch: Any, recorder: Recorder | None = None):
         """This rank's actions on `batch`: (cut, RunResult)."""
         sharded = state.params
         error, micro = None, None
@@ -194,7 +195,8 @@ class PipelineStep:
         local = {i: sharded.local[k] for k, i in enumerate(_local_full(self._leaf_index, sharded.layout))}
         with rng:
             result = run_actions(self.schedule, self.schedule.actions[self.pp_rank], cut, sharded.layout, sharded.shards,
-                                 local, self._leaf_index, flat, self.mesh, PointToPoint(self.mesh, self.trace))  # fmt: skip
+                                 local, self._leaf_index, flat, self.mesh, PointToPoint(self.mesh, self.trace),
+                                 recorder=recorder)  # fmt: skip
         return cut, result
 
     def __call__(self, state: StepState, batch: Any) -> tuple[StepState, dict[str, Any]]:
@@ -291,6 +293,44 @@ class PipelineStep:
         mean = (sums[1] / sums[2]) if cut.weighted else sums[0] / (self.mesh.data_size * self.microbatches)
         return {"loss": mean.reshape(()), "local_loss": mean.reshape(())}
 
+    def profile(self, state: StepState, batch: Any) -> "PipelineProfile":
+        """Run the step's actions on `batch` once (no update: as `grad`), timing each action and
+        measuring the activations each stage holds, against the prediction. A collective.
+
+        The measured in-flight bytes are the storages autograd saves for each micro-batch's
+        backward, added at its F and released at its B (or W); the predicted ones are
+        `fs.pipeline.peak_in_flight(schedule)` times the bytes one forward of the stage saves,
+        computed on fake tensors (no memory)."""
+        self._check_state(state, "step.profile(state, batch)")
+        recorder = Recorder()
+        cut, _ = self._run(state, batch, recorder)
+        per_mb = self._saved_per_microbatch(cut, state, batch)
+        peak = pipeline_peak_in_flight(self.schedule)
+        compute = sum(e - b for a, b, e in recorder.events if Action.parse(a).is_compute)
+        return PipelineProfile(
+            self.pp_rank, tuple(recorder.events), compute, dict(recorder.peak_count), dict(recorder.peak),
+            {s: peak[s] * per_mb[s] for s in per_mb}, per_mb,
+        )
+
+    def _saved_per_microbatch(self, cut: Cut, state: StepState, batch: Any) -> dict:
+        """Stage -> bytes one micro-batch's forward saves for its backward, on fake tensors."""
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        micro = tree_flatten(self._micro(batch)[0])[0]
+        out = {}
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            for s in self.schedule.stages_of(self.pp_rank):
+                p = cut.stages[s]
+                params = [torch.empty(self._meta[i].shape, dtype=self._meta[i].dtype).requires_grad_(self._meta[i].dtype.is_floating_point)
+                          for i in p.params]  # fmt: skip
+                received = [torch.empty(b.shape, dtype=b.dtype).requires_grad_(b.differentiable) for b in p.received]
+                batch_leaves = [mode.from_tensor(micro[i]) for i in p.batch]
+                local = [torch.empty(self._meta[i].shape, dtype=self._meta[i].dtype) for i in p.local]
+                with torch.enable_grad():
+                    _, nbytes = saved_bytes(lambda: p.module(params, received, batch_leaves, local))
+                out[s] = nbytes
+        return out
+
     def explain(self) -> str:
         """The lowered schedule, rank by rank, and the stage cut of the last traced signature."""
         lines = [self.schedule.to_text()]
@@ -311,3 +351,15 @@ def _local_full(leaf_index: dict[int, int], layout) -> list[int]:
     """Full-tree indices of the layout's local leaves (module buffers), in `layout.local` order."""
     back = {v: k for k, v in leaf_index.items()}
     return [back[i] for i in layout.local]
+
+
+class PipelineProfile(NamedTuple):
+    """One profiled pipelined step on this rank (`PipelineStep.profile`)."""
+
+    rank: int  # the pipeline rank
+    events: tuple[tuple[str, int, int], ...]  # (action, start ns, end ns), time.perf_counter_ns (one clock per machine)
+    compute_ns: int  # time in F/B/I/W actions (waits for received tensors left out)
+    in_flight_peak: dict  # stage -> most micro-batches forwarded and not yet through B/W, measured
+    in_flight_bytes: dict  # stage -> most bytes of saved activations held at once, measured
+    predicted_bytes: dict  # stage -> the same, predicted: fs.pipeline.peak_in_flight x bytes per micro-batch (fake tensors)
+    saved_per_microbatch: dict  # stage -> bytes one micro-batch's forward saves, predicted on fake tensors
