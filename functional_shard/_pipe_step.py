@@ -56,13 +56,8 @@ class PipelineStep:
         split = [a for a in mesh.model_axes if a not in ("tp", "pp")]
         if split:
             raise MeshError(f"fs.sharded_step does not apply the model-parallel axis {split[0]!r} of the {mesh.describe()}")
-        if "tp" in mesh.model_axes:
-            raise MeshError(
-                f"the {mesh.describe()} has both 'pp' and 'tp': a pipeline stage is a traced graph of aten operations, "
-                f"which loses the custom backward of the tensor-parallel collectives (copy_to's all-reduce, ...), so "
-                f"pp x tp is refused until stages carry them (docs/pipelining.md). Use pp with fsdp/replicate, or tp "
-                f"without pp"
-            )
+        if "tp" in mesh.model_axes and placements is None:
+            raise MeshError(f"the {mesh.describe()} has a 'tp' axis but no placements= were given (docs/parallelism.md)")
         self.loss_fn, self.mesh, self.optimizer = loss_fn, mesh, optimizer
         self.pipeline, self.microbatches, self.trace = pipeline, microbatches, trace
         self.units, self.donate, self.precision, self.placements = units, donate, precision, placements

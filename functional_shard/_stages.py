@@ -190,7 +190,7 @@ def cut_stages(
     info: dict[str, Any] = {}
 
     def flat(params, batch):
-        with _tracing.graph_semantics():
+        with _tracing.graph_semantics(), _tracing.adjoint_ops():
             out = loss_fn(tree_unflatten(treedef, list(params)), tree_unflatten(batch_def, list(batch)))
         values, weighted, summed = _loss_outputs(out, False, mesh)
         info.update(weighted=weighted, summed=summed, dtype=values[0].dtype)
@@ -234,7 +234,9 @@ def _custom_functions(outputs: list) -> list[str]:
         if node is None or node in seen:
             continue
         seen.add(node)
-        if isinstance(node, torch.autograd.function.BackwardCFunction):
+        forward_cls = getattr(node, "_forward_cls", None)
+        carried = forward_cls is not None and forward_cls.__module__.startswith("torch._library")  # a custom op's own
+        if isinstance(node, torch.autograd.function.BackwardCFunction) and not carried:
             name = type(node).__name__.removesuffix("Backward")
             if name not in found:
                 found.append(name)

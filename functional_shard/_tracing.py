@@ -22,7 +22,7 @@ import torch.compiler
 
 __all__ = [
     "Issued", "Guard", "recording", "moving", "phase", "microbatch", "record", "guard", "graph_semantics",
-    "random_stream", "random_base",
+    "random_stream", "random_base", "adjoint_ops", "adjoint_ops_enabled",
 ]
 
 
@@ -49,6 +49,7 @@ _BUFFER: contextvars.ContextVar[Any] = contextvars.ContextVar("functional_shard_
 _PHASE: contextvars.ContextVar[str] = contextvars.ContextVar("functional_shard_phase", default="backward")
 _MICROBATCH: contextvars.ContextVar[int | None] = contextvars.ContextVar("functional_shard_microbatch", default=None)
 _RANDOM_BASE: contextvars.ContextVar[int | None] = contextvars.ContextVar("functional_shard_random_base", default=None)
+_ADJOINT_OPS: contextvars.ContextVar[bool] = contextvars.ContextVar("functional_shard_adjoint_ops", default=False)
 
 
 @contextlib.contextmanager
@@ -113,6 +114,22 @@ def random_stream(base: int) -> Iterator[None]:
         yield
     finally:
         _RANDOM_BASE.reset(token)
+
+
+@contextlib.contextmanager
+def adjoint_ops() -> Iterator[None]:
+    """Inside the block, collectives with a custom backward are issued as operators that carry
+    it (`fs.tensor_parallel`'s `tp_collective`): what a traced pipeline stage needs, since it is
+    replayed under autograd and an autograd.Function leaves only its forward in a graph."""
+    token = _ADJOINT_OPS.set(True)
+    try:
+        yield
+    finally:
+        _ADJOINT_OPS.reset(token)
+
+
+def adjoint_ops_enabled() -> bool:
+    return _ADJOINT_OPS.get()
 
 
 def random_base() -> int | None:

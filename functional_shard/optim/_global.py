@@ -104,7 +104,8 @@ def global_norm(
     if replicated is not None and mesh is not None and mesh.model_axes:
         if len(replicated) != len(leaves):
             raise ValueError(f"global_norm: replicated has {len(replicated)} flags for {len(leaves)} leaves")
-        counted = all(mesh.coordinates[a] == 0 for a in mesh.model_axes)
+        # Whole on every rank of the axes that cut leaves (tp, cp); the pipeline's ranks hold different leaves.
+        counted = all(mesh.coordinates[a] == 0 for a in mesh.model_axes if a != "pp")
         squares = [sq for sq, rep in zip(squares, replicated) if counted or not rep] or [squares[0].new_zeros(())]
     total = torch.stack(squares).sum()
     if blocks and mesh is not None:  # summed over the shard axis already: the model axes remain

@@ -34,6 +34,8 @@ import torch
 
 from .._mesh import BaseMesh
 from ._placement import Placement, Replicated, join_pieces
+from .._tracing import adjoint_ops_enabled
+from ._adjoint_ops import issue
 
 __all__ = [
     "CopyTo",
@@ -210,6 +212,8 @@ def copy_to(x: torch.Tensor, mesh: BaseMesh, axis: str = "tp") -> torch.Tensor:
     """
     if axis_size(mesh, axis) == 1:
         return x
+    if adjoint_ops_enabled():
+        return issue(x, "copy", 0, mesh, axis)
     return CopyTo.apply(x, mesh, axis)
 
 
@@ -227,6 +231,8 @@ def reduce_from(x: torch.Tensor, mesh: BaseMesh, axis: str = "tp") -> torch.Tens
     """
     if axis_size(mesh, axis) == 1:
         return x
+    if adjoint_ops_enabled():
+        return issue(x, "reduce", 0, mesh, axis)
     return ReduceFrom.apply(x, mesh, axis)
 
 
@@ -259,6 +265,8 @@ def gather_along(
         raise ValueError(f"gather_along(grad=...) is 'reduce_scatter' or 'split'; got {grad!r}")
     if axis_size(mesh, axis) == 1:
         return x
+    if adjoint_ops_enabled():
+        return issue(x, "gather" if grad == "reduce_scatter" else "gather_split", dim, mesh, axis)
     return (GatherAlong if grad == "reduce_scatter" else GatherSplitGrad).apply(x, dim, mesh, axis)
 
 
@@ -282,6 +290,8 @@ def reduce_scatter_along(x: torch.Tensor, dim: int, mesh: BaseMesh, axis: str = 
         )
     if size == 1:
         return x
+    if adjoint_ops_enabled():
+        return issue(x, "reduce_scatter", dim, mesh, axis)
     return ReduceScatterAlong.apply(x, dim, mesh, axis)
 
 
@@ -305,6 +315,8 @@ def scatter_along(x: torch.Tensor, dim: int, mesh: BaseMesh, axis: str = "tp") -
         )
     if size == 1:
         return x
+    if adjoint_ops_enabled():
+        return issue(x, "scatter", dim, mesh, axis)
     return ScatterAlong.apply(x, dim, mesh, axis)
 
 
