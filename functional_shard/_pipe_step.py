@@ -114,7 +114,15 @@ class PipelineStep:
             for path, role, leaf in zip(paths, roles, leaves):
                 if role == BUFFER or stage_of_unit[unit_names[path]] in mine:
                     parts[role][path] = leaf
-            sub = ModuleParams(parts[TRAINABLE], parts[FROZEN], parts[BUFFER])
+            names = {*parts[TRAINABLE], *parts[FROZEN], *parts[BUFFER]}
+            extra = {}
+            if isinstance(params, ModuleParams):  # tied names (export), non-persistent buffers, BatchNorm leaves
+                extra = dict(
+                    aliases=tuple((a, n) for a, n in params.aliases if n in names),
+                    non_persistent=tuple(n for n in params.non_persistent if n in names),
+                    batch_norm=tuple(n for n in params.batch_norm if n in names),
+                )
+            sub = ModuleParams(parts[TRAINABLE], parts[FROZEN], parts[BUFFER], **extra)
             unit_of = lambda path: unit_names[path]  # noqa: E731 - the full tree's units
             placements = resolve_placements(sub, self.placements, self.mesh)
             with torch.no_grad():

@@ -304,12 +304,6 @@ def test_tied_resume_and_world_size_1(world, tmp_path):
     assert_same(expected, got, "tied, loaded at world size 1")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="PipelineStep.init builds its stages' ModuleParams without the full tree's aliases, so the export of "
-    "the first stage's ranks does not name the tied head (head.weight)",
-)
 def test_export_of_a_tied_pipelined_state_names_the_tied_head(world, tmp_path):
     path = str(tmp_path / "ckpt")
     world.run(save_at, path, {"fsdp": 4}, TIED, 0)
