@@ -25,6 +25,7 @@ at the end of the step: the same values, moved earlier.
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any, NamedTuple
 
@@ -151,6 +152,7 @@ def run_actions(
     p2p: PointToPoint,
     backward: bool = True,
     recorder: Recorder | None = None,
+    remat: frozenset = frozenset(),
 ) -> RunResult:
     """Run this rank's `row` of `schedule`.
 
@@ -166,6 +168,8 @@ def run_actions(
         p2p: the transfers' issuer.
         backward: False for a forward-only run (evaluation): no autograd graph is kept.
         recorder: a `Recorder` to fill (profiling), or None.
+        remat: the stages whose forward keeps no activations: their B (or I) recomputes it
+            from the stage's inputs, with the RNG state the F saw (the same bits).
     """
     stages = {s: _Stage() for s in schedule.stages_of(mesh.coordinates.get("pp", 0))}
     last = schedule.num_stages - 1
@@ -241,20 +245,27 @@ def run_actions(
                 inputs = st.received.pop(m)
             inputs = [t.detach().requires_grad_(backward and b.differentiable) for t, b in zip(inputs, program.received)]
             batch = [micro_batches[m][i] for i in program.batch]
-            with torch.set_grad_enabled(backward):
+            keep = backward and s not in remat
+            run = functools.partial(program.module, st.leaves, inputs, batch, st.local)
+            rng = _rng_state(mesh) if backward and s in remat else None
+            with torch.set_grad_enabled(keep):
                 if recorder is not None and backward:
-                    outputs, nbytes = saved_bytes(lambda: program.module(st.leaves, inputs, batch, st.local))
+                    outputs, nbytes = saved_bytes(run)
+                    if not keep:  # rematerialized: only its inputs are held until its backward
+                        nbytes = sum(t.untyped_storage().nbytes() for t in inputs)
                     recorder.forward(s, m, nbytes)
                 else:
-                    outputs = program.module(st.leaves, inputs, batch, st.local)
-            if backward:
+                    outputs = run()
+            if keep:
                 st.graphs[m] = (inputs, outputs)
+            elif backward:  # the backward recomputes the forward from the inputs, the RNG as it was
+                st.graphs[m] = (inputs, (run, rng))
             if s == last:
                 losses[m] = [o.detach() for o in outputs]
             else:
                 st.outputs[m] = [o.detach() for o in outputs]
         elif a.kind in (K.B, K.I, K.W):
-            _backward(a, st, stages, program, schedule, last, ready)
+            _backward(a, st, stages, program, schedule, last, ready, mesh)
             if recorder is not None and a.kind in (K.B, K.W):
                 recorder.backward_done(s, m)
         elif a.kind is K.SEND_F:
@@ -290,11 +301,31 @@ def _trainable(layout: Layout, leaf: int) -> bool:
     return any(leaf in spec.leaves and spec.trainable for spec in layout.buffers)
 
 
-def _backward(a: Action, st: _Stage, stages, program, schedule, last, ready) -> None:
+def _rng_state(mesh) -> tuple:
+    device = getattr(mesh, "device", torch.device("cpu"))
+    return torch.get_rng_state(), (torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+
+
+def _recompute(run, rng, mesh) -> list:
+    """A rematerialized stage's forward again, with autograd, from the RNG state its F saw (the
+    same dropout masks, hence the same values), leaving the step's stream where it was."""
+    device = getattr(mesh, "device", torch.device("cpu"))
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.set_rng_state(rng[0])
+        if rng[1] is not None:
+            torch.cuda.set_rng_state(rng[1], device)
+        with torch.enable_grad():
+            return run()
+
+
+def _backward(a: Action, st: _Stage, stages, program, schedule, last, ready, mesh=None) -> None:
     """B, I or W of micro-batch `a.microbatch` through stage `a.stage`: gradients of the parameters
     added to the stage's sums (B, W), cotangents of the received values kept for SEND_B (B, I)."""
     s, m = a.stage, a.microbatch
     inputs, outputs = st.graphs[m]
+    if isinstance(outputs, tuple):  # rematerialized: recomputed once (an I's graph serves its W)
+        outputs = _recompute(*outputs, mesh)
+        st.graphs[m] = (inputs, outputs)
     if s == last:  # the loss: seeded with 1 (the mean over micro-batches and ranks is taken after)
         roots, cotangents = [outputs[0]], [torch.ones_like(outputs[0])]
     else:

@@ -48,7 +48,7 @@ class PipelineStep:
     `explain()`, as `ShardedStep`'s."""
 
     def __init__(self, loss_fn: Callable, mesh: BaseMesh, *, optimizer, pipeline: Pipeline, microbatches: int,
-                 trace: bool, units, has_aux: bool, donate: bool, precision, nonfinite, placements):  # fmt: skip
+                 trace: bool, remat: Any = False, units, has_aux: bool, donate: bool, precision, nonfinite, placements):  # fmt: skip
         if has_aux:
             raise StepError("a pipelined step does not return aux yet (has_aux=True): return the loss only")
         if precision is not None and precision.loss_scale is not None:
@@ -60,6 +60,13 @@ class PipelineStep:
             raise MeshError(f"the {mesh.describe()} has a 'tp' axis but no placements= were given (docs/parallelism.md)")
         self.loss_fn, self.mesh, self.optimizer = loss_fn, mesh, optimizer
         self.pipeline, self.microbatches, self.trace = pipeline, microbatches, trace
+        if remat is not False and not (remat is True or isinstance(remat, tuple) or callable(remat)):
+            raise StepError(
+                f"a pipelined step rematerializes whole stages: remat=True, a tuple of unit names or a function "
+                f"unit -> bool (a stage is recomputed if any of its units is chosen); got {remat!r}"
+            )
+        self.remat = remat
+        self._remat_stages: frozenset = frozenset()
         self.units, self.donate, self.precision, self.placements = units, donate, precision, placements
         self.nonfinite = _nonfinite.resolve(nonfinite, donate=donate, loss_scale=None)
         self.num_ranks = mesh.shape["pp"]
@@ -153,6 +160,9 @@ class PipelineStep:
         self._treedef = tree_flatten(params)[1]
         self._meta = [torch.empty(s, dtype=d, device="meta") for s, d in zip(shapes, dtypes)]
         self._stage_of_unit = stage_of_unit
+        chosen = (lambda u: True) if self.remat is True else (lambda u: False) if self.remat is False else (
+            (lambda u: u in self.remat) if isinstance(self.remat, tuple) else self.remat)  # fmt: skip
+        self._remat_stages = frozenset(s for u, s in stage_of_unit.items() if chosen(u))
         with torch.no_grad():
             sharded = shard_leaves(layout, [p.detach() for p in pieces], self.mesh)
             trainable = {spec.name: s for spec, s in zip(layout.buffers, sharded.shards) if spec.trainable}
@@ -199,7 +209,7 @@ class PipelineStep:
         with rng:
             result = run_actions(self.schedule, self.schedule.actions[self.pp_rank], cut, sharded.layout, sharded.shards,
                                  local, self._leaf_index, flat, self.mesh, PointToPoint(self.mesh, self.trace),
-                                 recorder=recorder)  # fmt: skip
+                                 recorder=recorder, remat=self._remat_stages)  # fmt: skip
         return cut, result
 
     def __call__(self, state: StepState, batch: Any) -> tuple[StepState, dict[str, Any]]:

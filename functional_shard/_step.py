@@ -551,10 +551,10 @@ def _pipeline_step(loss_fn, mesh, optimizer, schedule, units, has_aux, donate, p
         raise MeshError(f"pipeline= needs a 'pp' axis in the mesh; the {mesh.describe()} has none")
     if canonical_chunks is not None:
         raise StepError("canonical_chunks does not compose with a pipeline yet")
-    if schedule is not None and (not isinstance(schedule, Schedule) or dataclasses.replace(schedule, trace=True) != Schedule()):
+    if schedule is not None and (not isinstance(schedule, Schedule) or dataclasses.replace(schedule, trace=True, remat=False) != Schedule()):
         raise StepError(
-            "a pipelined step takes fs.Schedule() or fs.Schedule(trace=False) (the oracle: every transfer waited where "
-            f"its action stands); its other fields do not apply to a pipeline yet; got {schedule!r}"
+            "a pipelined step takes fs.Schedule(), fs.Schedule(trace=False) (the oracle: every transfer waited where "
+            f"its action stands) and remat=; its other fields do not apply to a pipeline yet; got {schedule!r}"
         )
     if pipeline is None:
         pipeline = Pipeline()
@@ -563,5 +563,5 @@ def _pipeline_step(loss_fn, mesh, optimizer, schedule, units, has_aux, donate, p
     elif not isinstance(pipeline, Pipeline):
         raise TypeError(f"pipeline= takes an fs.pipeline.Pipeline or a schedule's name; got {type(pipeline).__name__}")
     return PipelineStep(loss_fn, mesh, optimizer=as_optimizer(optimizer), pipeline=pipeline, microbatches=microbatches,
-                        trace=schedule is None or schedule.trace, units=units, has_aux=has_aux, donate=donate,
+                        trace=schedule is None or schedule.trace, remat=False if schedule is None else schedule.remat, units=units, has_aux=has_aux, donate=donate,
                         precision=precision, nonfinite=nonfinite, placements=placements)  # fmt: skip
