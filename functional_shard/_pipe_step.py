@@ -28,7 +28,8 @@ from ._layout import make_layout
 from ._mesh import BaseMesh, MeshError, PeerError
 from ._pipe_run import PointToPoint, Recorder, run_actions, saved_bytes
 from ._placed import place, resolve_placements
-from ._pytree import tree_flatten, tree_paths
+from ._pytree import tree_flatten, tree_map, tree_paths
+from .initialize import shard_from
 from ._reference import StepError, StepOutput, split_microbatches
 from ._shard import Sharded, _check_shards, shard_leaves
 from ._stages import Cut, assign_stages, cut_stages
@@ -103,14 +104,12 @@ class PipelineStep:
     def init(self, params: Any, *, seed: int = 0, values: str = "check", initialize: Any = None) -> StepState:
         """Cut `params` into stages, keep this rank's stages' units (sharded over `fsdp`, cut over
         `tp`), build the optimizer state. A collective; see `ShardedStep.init`."""
-        if initialize is not None:
-            raise StepError("a pipelined step's init does not take initialize= yet: pass materialized params")
         if values not in ("check", "trust"):
             raise ValueError(f"a pipelined step's init(values=...) is 'check' or 'trust'; got {values!r}")
         error = None
         try:
             full_layout, leaves = make_layout(params, 1, units=self.units)
-            check_leaves(full_layout, leaves, self.mesh)
+            check_leaves(full_layout, leaves, self.mesh, meta_ok=initialize is not None)
             paths, roles = tree_paths(params), leaf_roles(params)
             sharded_paths = [p for p, r in zip(paths, roles) if r != BUFFER]
             unit_names = dict(zip(sharded_paths, assign_units(self.units, sharded_paths)))
@@ -137,26 +136,22 @@ class PipelineStep:
                     layout, pieces = make_layout(sub, self.mesh.num_shards, units=unit_of, precision=self.precision)
                 else:
                     layout, pieces = place(sub, placements, self.mesh, units=unit_of, precision=self.precision)
-                    full_pieces = place(params, resolve_placements(params, self.placements, self.mesh), self.mesh,
-                                        units=self.units, precision=self.precision)  # fmt: skip
+                # What every stage program takes (the pieces' shapes, the gather dtypes), from meta copies.
+                meta = tree_map(lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta"), params)
+                computed = place(meta, resolve_placements(meta, self.placements, self.mesh), self.mesh, units=self.units,
+                                 precision=self.precision)[0]  # fmt: skip
         except Exception as e:  # noqa: BLE001 (the other ranks must learn of it)
             error = e
         self.mesh.succeed_together("step.init", error, lambda failed: PeerError(
             f"ranks {failed} refused their parameters or pipeline cut in step.init (see their errors)", failed[0]))  # fmt: skip
-        if values == "check":
+        if values == "check" and initialize is None:
             check_same_values(full_layout, [leaf.detach() for leaf in leaves], self.mesh)
         # What every stage program takes: per leaf of the full tree, its stage, its computed shape and dtype.
         index_of = {p: i for i, p in enumerate(layout.paths)}
         self._leaf_index = {i: index_of[p] for i, p in enumerate(paths) if p in index_of}
         self._stage_of_leaf = [None if r == BUFFER else stage_of_unit[unit_names[p]] for p, r in zip(paths, roles)]
-        shapes = full_pieces[0].shapes if placements is not None else full_layout.shapes
-        dtypes = []
-        gather = {}
-        for spec in (full_pieces[0] if placements is not None else make_layout(params, 1, units=self.units, precision=self.precision)[0]).buffers:
-            for i in spec.leaves:
-                gather[i] = spec.gather_dtype
-        for i, leaf in enumerate(leaves):
-            dtypes.append(gather.get(i, leaf.dtype))
+        gather = {i: spec.gather_dtype for spec in computed.buffers for i in spec.leaves}
+        shapes, dtypes = computed.shapes, [gather.get(i, leaf.dtype) for i, leaf in enumerate(leaves)]
         self._treedef = tree_flatten(params)[1]
         self._meta = [torch.empty(s, dtype=d, device="meta") for s, d in zip(shapes, dtypes)]
         self._stage_of_unit = stage_of_unit
@@ -164,7 +159,11 @@ class PipelineStep:
             (lambda u: u in self.remat) if isinstance(self.remat, tuple) else self.remat)  # fmt: skip
         self._remat_stages = frozenset(s for u, s in stage_of_unit.items() if chosen(u))
         with torch.no_grad():
-            sharded = shard_leaves(layout, [p.detach() for p in pieces], self.mesh)
+            if initialize is not None:  # this rank's stages' leaves, made one at a time
+                sub_full = make_layout(sub, self.mesh.num_shards, units=unit_of, precision=self.precision)
+                sharded = shard_from(initialize, layout, sub_full[1], self.mesh, full_layout=sub_full[0])
+            else:
+                sharded = shard_leaves(layout, [p.detach() for p in pieces], self.mesh)
             trainable = {spec.name: s for spec, s in zip(layout.buffers, sharded.shards) if spec.trainable}
             opt_state = self.optimizer.init(trainable, leaves=LeafLayout.of_shards(layout, self.mesh.shard_index))
         return StepState(sharded, opt_state, None, torch.tensor(seed, dtype=torch.int64), 0, self._key)
