@@ -316,7 +316,8 @@ class PipelineStep:
         self._check_state(state, "step.profile(state, batch)")
         recorder = Recorder()
         cut, _ = self._run(state, batch, recorder)
-        per_mb = self._saved_per_microbatch(cut, state, batch)
+        per_mb = self.saved_per_microbatch(cut, batch)
+        per_mb = {st: per_mb[st] for st in self.schedule.stages_of(self.pp_rank)}
         peak = pipeline_peak_in_flight(self.schedule)
         compute = sum(e - b for a, b, e in recorder.events if Action.parse(a).is_compute)
         return PipelineProfile(
@@ -324,15 +325,15 @@ class PipelineStep:
             {s: peak[s] * per_mb[s] for s in per_mb}, per_mb,
         )
 
-    def _saved_per_microbatch(self, cut: Cut, state: StepState, batch: Any) -> dict:
-        """Stage -> bytes one micro-batch's forward saves for its backward, on fake tensors."""
+    def saved_per_microbatch(self, cut: Cut, batch: Any) -> dict:
+        """Stage -> bytes one micro-batch's forward saves for its backward, on fake tensors (every
+        stage, not only this rank's: no memory, no collective)."""
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         micro = tree_flatten(self._micro(batch)[0])[0]
         out = {}
         with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-            for s in self.schedule.stages_of(self.pp_rank):
-                p = cut.stages[s]
+            for p in cut.stages:
                 params = [torch.empty(self._meta[i].shape, dtype=self._meta[i].dtype).requires_grad_(self._meta[i].dtype.is_floating_point)
                           for i in p.params]  # fmt: skip
                 received = [torch.empty(b.shape, dtype=b.dtype).requires_grad_(b.differentiable) for b in p.received]
@@ -340,8 +341,44 @@ class PipelineStep:
                 local = [torch.empty(self._meta[i].shape, dtype=self._meta[i].dtype) for i in p.local]
                 with torch.enable_grad():
                     _, nbytes = saved_bytes(lambda: p.module(params, received, batch_leaves, local))
-                out[s] = nbytes
+                out[p.index] = nbytes
         return out
+
+    # --- what fs.analysis reads (plan_pipeline, tune_pipeline): local, no collective --------
+
+    def stage_cut(self, state: StepState, batch: Any) -> Cut:
+        """The stage programs for `batch`'s micro-batch signature (traced now if new; when new, a
+        collective: the ranks compare their cuts)."""
+        self._check_state(state, "step.stage_cut(state, batch)")
+        return self._cut(self._micro(batch)[0])
+
+    def stage_param_elements(self) -> dict:
+        """Stage -> parameter elements of its units (whole leaves, this rank's tp pieces)."""
+        out = {s: 0 for s in range(self.num_stages)}
+        for meta, stage in zip(self._meta, self._stage_of_leaf):
+            if stage is not None:
+                out[stage] += meta.numel()
+        return out
+
+    def state_bytes_per_element(self, state: StepState | None = None) -> int:
+        """Bytes a rank holds between steps per parameter element it keeps: the shard, the
+        optimizer state (read from `state` when given; else AdamW's two float32 moments) and a
+        gradient shard."""
+        shard = max((m.dtype.itemsize for m in self._meta if m.dtype.is_floating_point), default=4)
+        if state is None:
+            return shard + 8 + shard
+        elements = sum(s.numel() for s in state.params.shards) or 1
+        optimizer = sum(t.numel() * t.element_size() for t in tree_flatten(state.opt_state)[0]
+                        if isinstance(t, torch.Tensor) and t.dim() > 0)  # fmt: skip
+        return round(shard + optimizer / elements + shard)
+
+    def gather_bytes_per_element(self) -> int:
+        """Bytes per parameter element of a stage while it runs: its gathered leaves and their summed gradient."""
+        return 2 * max((m.dtype.itemsize for m in self._meta if m.dtype.is_floating_point), default=4)
+
+    def batch_rows(self, batch: Any) -> int:
+        """The leading dimension of the batch's tensors (what micro-batches cut)."""
+        return next(t.shape[0] for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor))
 
     def explain(self) -> str:
         """The lowered schedule, rank by rank, and the stage cut of the last traced signature."""

@@ -1,0 +1,224 @@
+"""Pipelined steps before they run: costs per stage, bubble, memory per rank, point-to-point bytes,
+and the choice of schedule and micro-batches under a memory budget.
+
+    plan = fs.analysis.plan_pipeline(step, state, batch)           # this step, as it is configured
+    print(plan.explain())
+    ranked = fs.analysis.tune_pipeline(plan, budget_bytes=2 << 30)  # schedules x micro-batch counts
+
+Everything is read from the step's stage programs (`PipelineStep`): per stage the forward's FLOPs
+and its time on a `Machine` (`fs.analysis`'s node costs; a backward costs twice its forward, an
+input-gradient and a weight-gradient half once each), the bytes one micro-batch's forward saves
+for its backward (on fake tensors), the bytes crossing each boundary; then the schedule's makespan
+and bubble per rank (`fs.pipeline.analyze` at those costs, transfers on the machine's link), the
+peak in-flight activations per stage (`fs.pipeline.peak_in_flight`) and the bytes each rank
+holds. No collective: each rank can plan alone.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from ..pipeline import Costs, analyze, build_schedule, Pipeline, peak_in_flight
+from ._costs import node_cost
+from ._machine import Machine, h100_sxm
+
+__all__ = ["StagePlan", "PipelinePlan", "PipelineCandidate", "plan_pipeline", "tune_pipeline"]
+
+
+class StagePlan(NamedTuple):
+    """One stage of a pipelined step, per micro-batch."""
+
+    stage: int
+    rank: int  # the pipeline rank that holds it
+    forward_flops: int  # FLOPs of one micro-batch's forward
+    forward_s: float  # its time on the plan's machine
+    saved_bytes: int  # bytes its forward saves for the backward (the activations in flight)
+    sent_bytes: int  # bytes it sends to the next stage (activations; cotangents come back as many or fewer)
+    param_elements: int  # parameter elements of its units (whole, before fsdp)
+
+
+class PipelineCandidate(NamedTuple):
+    """One (schedule, micro-batches) alternative of `tune_pipeline`."""
+
+    schedule: str
+    microbatches: int
+    step_s: float  # predicted makespan of the pipelined part of the step
+    bubble: float  # the largest idle fraction over ranks
+    peak_bytes: int  # the largest predicted bytes over ranks
+    fits: bool  # peak_bytes <= the budget
+    why: str  # why it ranks where it does
+
+
+class PipelinePlan(NamedTuple):
+    """A pipelined step's predicted figures (`plan_pipeline`)."""
+
+    schedule: str  # the schedule's name
+    num_ranks: int
+    num_microbatches: int
+    stages: tuple[StagePlan, ...]
+    makespan_s: float  # the pipelined part of one step (forward and backward of every micro-batch)
+    bubble: tuple[float, ...]  # per pipeline rank: idle fraction
+    peak_in_flight: tuple[int, ...]  # per stage: micro-batches held at once
+    activation_bytes: tuple[int, ...]  # per rank: peak bytes of in-flight activations
+    state_bytes: tuple[int, ...]  # per rank: parameter shards, optimizer state and gradient shards
+    gathered_bytes: tuple[int, ...]  # per rank: its stages' gathered parameters and summed full gradients
+    p2p_bytes: tuple[int, ...]  # per rank: bytes it sends in one step (activations forward, cotangents back)
+    bytes_per_element: int  # state bytes per parameter element (param + Adam moments + gradient)
+    fsdp: int  # ranks each stage's parameters are sharded over
+
+    @property
+    def peak_bytes(self) -> tuple[int, ...]:
+        """Per rank: state + gathered stages + in-flight activations (the pipelined step's peak)."""
+        return tuple(s + g + a for s, g, a in zip(self.state_bytes, self.gathered_bytes, self.activation_bytes))
+
+    def explain(self) -> str:
+        lines = [
+            f"pipeline {self.schedule}: {self.num_ranks} ranks, {len(self.stages)} stages, {self.num_microbatches} "
+            f"micro-batches; predicted {self.makespan_s * 1e3:.2f} ms; bubble per rank "
+            + ", ".join(f"{b:.3f}" for b in self.bubble)
+        ]
+        lines.append("| stage | rank | forward GFLOP | forward ms | saved MiB / mb | in flight | sent KiB / mb | params |")
+        lines.append("|---|---|---|---|---|---|---|---|")
+        for s in self.stages:
+            lines.append(
+                f"| {s.stage} | {s.rank} | {s.forward_flops / 1e9:.3f} | {s.forward_s * 1e3:.3f} | "
+                f"{s.saved_bytes / 2**20:.2f} | {self.peak_in_flight[s.stage]} | {s.sent_bytes / 1024:.1f} | {s.param_elements} |"
+            )
+        lines.append("| rank | state MiB | gathered MiB | activations MiB | peak MiB | p2p MiB / step |")
+        lines.append("|---|---|---|---|---|---|")
+        for r in range(self.num_ranks):
+            lines.append(
+                f"| {r} | {self.state_bytes[r] / 2**20:.2f} | {self.gathered_bytes[r] / 2**20:.2f} | "
+                f"{self.activation_bytes[r] / 2**20:.2f} | {self.peak_bytes[r] / 2**20:.2f} | {self.p2p_bytes[r] / 2**20:.2f} |"
+            )
+        return "\n".join(lines)
+
+
+def _stage_seconds(module, machine: Machine) -> tuple[int, float]:
+    flops, seconds = 0, 0.0
+    for node in module.graph.nodes:
+        cost = node_cost(node)
+        flops += cost.flops
+        if node.op == "call_function":
+            seconds += machine.compute_seconds(
+                cost.flops, cost.bytes, view=cost.kind == "view", kind=cost.kind, numel=cost.numel, dtype=cost.dtype,
+                attention=cost.attention, causal=cost.causal,
+            )  # fmt: skip
+    return flops, seconds
+
+
+def plan_pipeline(step: Any, state: Any, batch: Any, *, machine: Machine | None = None, schedule: Any = None,
+                  microbatches: int | None = None) -> PipelinePlan:  # fmt: skip
+    """The predicted figures of `step` (a `PipelineStep`) on `batch`, or of the same stages under
+    another `schedule` (a name or `fs.pipeline.Pipeline`) and number of `microbatches` (the batch
+    cut into that many: per-micro-batch costs scale with its rows). Local: no collective.
+
+    Arguments:
+        step / state / batch: the pipelined step, its state, one batch of this rank.
+        machine: what a rank computes and sends per second (default `fs.analysis.h100_sxm()`;
+            `fs.analysis.calibrate` measures this machine).
+        schedule / microbatches: an alternative to plan (default: the step's own).
+    """
+    machine = machine if machine is not None else h100_sxm()
+    cut = step.stage_cut(state, batch)
+    m0 = step.microbatches
+    m = microbatches if microbatches is not None else m0
+    pipeline = step.pipeline if schedule is None else (schedule if isinstance(schedule, Pipeline) else Pipeline(schedule))
+    compute = build_schedule(pipeline, step.num_ranks, m)
+    if compute.num_stages != len(cut.stages):
+        raise ValueError(
+            f"the schedule {compute.name!r} has {compute.num_stages} stages but the step was cut into {len(cut.stages)}: "
+            f"plan schedules with the same stages per rank ({len(cut.stages) // step.num_ranks})"
+        )
+    scale = m0 / m  # per-micro-batch figures scale with the rows of a micro-batch
+    saved = step.saved_per_microbatch(cut, batch)
+    elements = step.stage_param_elements()
+    stages = []
+    for p in cut.stages:
+        flops, seconds = _stage_seconds(p.module, machine)
+        sent = sum(_nbytes(b) for b in p.sent) if p.index < len(cut.stages) - 1 else 0
+        stages.append(StagePlan(p.index, compute.rank_of(p.index), int(flops * scale), seconds * scale,
+                                int(saved[p.index] * scale), int(sent * scale), elements[p.index]))  # fmt: skip
+    link = machine.collective_bandwidth.get("all_gather", 0) or 1.0
+    costs = [
+        Costs(forward=s.forward_s, backward=2 * s.forward_s, input_grad=s.forward_s, weight_grad=s.forward_s,
+              p2p=s.sent_bytes / link)  # fmt: skip
+        for s in stages
+    ]
+    analysis = analyze(compute.compute_only(), dict(enumerate(costs)))
+    peaks = peak_in_flight(compute)
+    fsdp = step.mesh.num_shards
+    per_element = step.state_bytes_per_element(state)
+    gather_bytes = step.gather_bytes_per_element()
+    ranks = range(step.num_ranks)
+    held = [[s for s in stages if s.rank == r] for r in ranks]
+    p2p = []
+    for r in ranks:
+        out = 0
+        for s in held[r]:
+            if s.stage + 1 < len(stages) and compute.rank_of(s.stage + 1) != r:
+                out += s.sent_bytes * m
+            if s.stage > 0 and compute.rank_of(s.stage - 1) != r:
+                out += stages[s.stage - 1].sent_bytes * m  # cotangents of what it received
+        p2p.append(out)
+    return PipelinePlan(
+        compute.name, step.num_ranks, m, tuple(stages), analysis.makespan, tuple(analysis.bubble), tuple(peaks),
+        tuple(sum(peaks[s.stage] * s.saved_bytes for s in held[r]) for r in ranks),
+        tuple(sum(s.param_elements for s in held[r]) * per_element // fsdp for r in ranks),
+        tuple(sum(s.param_elements for s in held[r]) * gather_bytes for r in ranks),
+        tuple(p2p), per_element, fsdp,
+    )  # fmt: skip
+
+
+def _nbytes(b) -> int:
+    n = b.dtype.itemsize
+    for d in b.shape:
+        n *= d
+    return n
+
+
+def tune_pipeline(step: Any, state: Any, batch: Any, *, budget_bytes: int | None = None, machine: Machine | None = None,
+                  schedules: tuple = ("gpipe", "1f1b", "zb_h1"), microbatches: tuple | None = None) -> list[PipelineCandidate]:  # fmt: skip
+    """Every (schedule, micro-batch count) that keeps the step's stages, ranked: those that fit
+    `budget_bytes` (per rank) first, fastest predicted makespan first; each with why it ranks there.
+
+    Arguments:
+        step / state / batch: a `PipelineStep`, its state and one batch of this rank.
+        budget_bytes: the memory a rank may use (None: no limit).
+        machine: as for `plan_pipeline`.
+        schedules: built-in names with the step's stages per rank.
+        microbatches: counts to try (default: every divisor of the batch's rows from the pipeline
+            ranks up, and the step's own).
+    """
+    rows = step.batch_rows(batch)
+    counts = microbatches or tuple(sorted({k for k in range(1, rows + 1) if rows % k == 0 and k >= step.num_ranks} | {step.microbatches}))
+    plans = []
+    for name in schedules:
+        for m in counts:
+            if rows % m:
+                continue
+            try:
+                plans.append(plan_pipeline(step, state, batch, machine=machine, schedule=name, microbatches=m))
+            except Exception as error:  # noqa: BLE001 - a schedule that does not exist at these sizes
+                plans.append((name, m, str(error)))
+    out = []
+    for p in plans:
+        if not isinstance(p, PipelinePlan):
+            out.append(PipelineCandidate(p[0], p[1], float("inf"), 1.0, 0, False, f"not buildable: {p[2][:120]}"))
+            continue
+        peak = max(p.peak_bytes)
+        fits = budget_bytes is None or peak <= budget_bytes
+        out.append(PipelineCandidate(p.schedule, p.num_microbatches, p.makespan_s, max(p.bubble), peak, fits, ""))
+    ranked = sorted(out, key=lambda c: (not c.fits, c.step_s, c.peak_bytes))
+    best = next((c for c in ranked if c.fits), None)
+    final = []
+    for c in ranked:
+        if c.why:
+            final.append(c)
+        elif not c.fits:
+            final.append(c._replace(why=f"needs {c.peak_bytes / 2**20:.1f} MiB per rank, over the budget of {budget_bytes / 2**20:.1f} MiB"))
+        elif c is best:
+            final.append(c._replace(why=f"fastest that fits: bubble {c.bubble:.3f}, peak {c.peak_bytes / 2**20:.1f} MiB"))
+        else:
+            final.append(c._replace(why=f"{c.step_s / best.step_s:.2f}x the best's time (bubble {c.bubble:.3f} vs {best.bubble:.3f})"))
+    return final
