@@ -38,6 +38,7 @@ from ._tree import BUFFER, FROZEN, TRAINABLE, ModuleParams, leaf_roles
 from ._units import assign_units
 from .optim import LeafLayout, global_norm
 from .pipeline import Action, Pipeline, PipelineSchedule, ScheduleError, build_schedule, check, with_communication
+from .pipeline import explain as pipeline_explain
 from .pipeline import peak_in_flight as pipeline_peak_in_flight
 
 __all__ = ["PipelineStep", "PipelineProfile"]
@@ -381,10 +382,11 @@ class PipelineStep:
         return next(t.shape[0] for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor))
 
     def explain(self) -> str:
-        """The lowered schedule, rank by rank, and the stage cut of the last traced signature."""
-        lines = [self.schedule.to_text()]
+        """The lowered schedule rank by rank, its grid and bubble at unit costs (F = 1, B = 2), and
+        the stage cut of the most recent micro-batch signature (nodes, parameters, what crosses)."""
+        lines = [self.schedule.to_text(), "", pipeline_explain(self.schedule.compute_only())]
         if self._cuts:
-            lines.append(next(reversed(self._cuts.values())).describe())
+            lines += ["", next(reversed(self._cuts.values())).describe()]
         return "\n".join(lines)
 
     def _check_state(self, state: StepState, what: str = "step(state, batch)") -> None:

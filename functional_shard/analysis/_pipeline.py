@@ -22,7 +22,7 @@ from ..pipeline import Costs, analyze, build_schedule, Pipeline, peak_in_flight
 from ._costs import node_cost
 from ._machine import Machine, h100_sxm
 
-__all__ = ["StagePlan", "PipelinePlan", "PipelineCandidate", "plan_pipeline", "tune_pipeline"]
+__all__ = ["StagePlan", "PipelinePlan", "PipelineCandidate", "plan_pipeline", "tune_pipeline", "pipeline_chrome_trace"]
 
 
 class StagePlan(NamedTuple):
@@ -222,3 +222,16 @@ def tune_pipeline(step: Any, state: Any, batch: Any, *, budget_bytes: int | None
         else:
             final.append(c._replace(why=f"{c.step_s / best.step_s:.2f}x the best's time (bubble {c.bubble:.3f} vs {best.bubble:.3f})"))
     return final
+
+
+def pipeline_chrome_trace(profiles) -> dict:
+    """A Chrome trace (chrome://tracing, Perfetto) of one profiled pipelined step: a track per
+    pipeline rank, an event per action (`PipelineStep.profile` on every rank, gathered by the
+    caller), in microseconds from the first action of any rank."""
+    zero = min(e[1] for p in profiles for e in p.events)
+    events = []
+    for p in profiles:
+        events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": p.rank, "args": {"name": f"pp rank {p.rank}"}})
+        for name, start, end in p.events:
+            events.append({"name": name, "ph": "X", "pid": 0, "tid": p.rank, "ts": (start - zero) / 1e3, "dur": (end - start) / 1e3})
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
