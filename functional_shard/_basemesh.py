@@ -110,6 +110,9 @@ class BaseMesh:
     # Whether a step on this mesh can be traced (make_fx patches module globals while it
     # traces, so thread-ranks of a simulated mesh cannot trace at the same time).
     supports_tracing: bool = True
+    # A mesh of no real ranks, for planning (`fs.analysis.AbstractMesh`): steps trace on it and
+    # skip the ranks' agreements, which it cannot hold.
+    abstract: bool = False
     # The most collectives the backend may have issued and not yet waited at once (None: no
     # limit), in all and on any one process group; `fs.schedule.limit_in_flight` reads both.
     # gloo: one per group (two on one group deadlocked, rarely), and `Mesh` gives all-gathers

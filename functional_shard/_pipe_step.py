@@ -110,7 +110,7 @@ class PipelineStep:
         error = None
         try:
             full_layout, leaves = make_layout(params, 1, units=self.units)
-            check_leaves(full_layout, leaves, self.mesh, meta_ok=initialize is not None)
+            check_leaves(full_layout, leaves, self.mesh, meta_ok=initialize is not None or self.mesh.abstract)
             paths, roles = tree_paths(params), leaf_roles(params)
             sharded_paths = [p for p, r in zip(paths, roles) if r != BUFFER]
             unit_names = dict(zip(sharded_paths, assign_units(self.units, sharded_paths)))
@@ -143,9 +143,12 @@ class PipelineStep:
                                  precision=self.precision)[0]  # fmt: skip
         except Exception as e:  # noqa: BLE001 (the other ranks must learn of it)
             error = e
-        self.mesh.succeed_together("step.init", error, lambda failed: PeerError(
-            f"ranks {failed} refused their parameters or pipeline cut in step.init (see their errors)", failed[0]))  # fmt: skip
-        if values == "check" and initialize is None:
+        if self.mesh.abstract and error is not None:
+            raise error
+        if not self.mesh.abstract:
+            self.mesh.succeed_together("step.init", error, lambda failed: PeerError(
+                f"ranks {failed} refused their parameters or pipeline cut in step.init (see their errors)", failed[0]))  # fmt: skip
+        if values == "check" and initialize is None and not self.mesh.abstract:
             check_same_values(full_layout, [leaf.detach() for leaf in leaves], self.mesh)
         # What every stage program takes: per leaf of the full tree, its stage, its computed shape and dtype.
         index_of = {p: i for i, p in enumerate(layout.paths)}
@@ -169,6 +172,17 @@ class PipelineStep:
             opt_state = self.optimizer.init(trainable, leaves=LeafLayout.of_shards(layout, self.mesh.shard_index))
         return StepState(sharded, opt_state, None, torch.tensor(seed, dtype=torch.int64), 0, self._key)
 
+    def init_abstract(self, params: Any) -> StepState:
+        """A state of meta tensors (nothing allocated, no collective) for planning on a mesh that
+        need not exist (`fs.analysis.AbstractMesh`): `fs.analysis.plan_pipeline(step, state, batch)`.
+
+        Arguments:
+            params: the full parameter tree, typically on the meta device."""
+        meta = tree_map(lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta"), params)
+        if not self.mesh.abstract:
+            raise StepError("init_abstract plans on an fs.analysis.AbstractMesh; on a real mesh call init(params)")
+        return self.init(meta, values="trust")
+
     # --- the step -------------------------------------------------------------------------
 
     def _micro(self, batch: Any) -> list[list[torch.Tensor]]:
@@ -185,9 +199,12 @@ class PipelineStep:
                 cut = cut_stages(self.loss_fn, self._treedef, self._meta, self._stage_of_leaf, micro, self.num_stages, self.mesh)
             except Exception as e:  # noqa: BLE001
                 error = e
-            self.mesh.succeed_together("a training step", error, lambda failed: PeerError(
-                f"ranks {failed} could not trace and cut loss_fn into pipeline stages (see their errors)", failed[0]))  # fmt: skip
-            self.mesh.check_same("the pipeline's stage cut", cut.describe())
+            if self.mesh.abstract and error is not None:
+                raise error
+            if not self.mesh.abstract:
+                self.mesh.succeed_together("a training step", error, lambda failed: PeerError(
+                    f"ranks {failed} could not trace and cut loss_fn into pipeline stages (see their errors)", failed[0]))  # fmt: skip
+                self.mesh.check_same("the pipeline's stage cut", cut.describe())
             self._cuts[signature] = cut
         return cut
 
@@ -338,7 +355,7 @@ class PipelineStep:
                 params = [torch.empty(self._meta[i].shape, dtype=self._meta[i].dtype).requires_grad_(self._meta[i].dtype.is_floating_point)
                           for i in p.params]  # fmt: skip
                 received = [torch.empty(b.shape, dtype=b.dtype).requires_grad_(b.differentiable) for b in p.received]
-                batch_leaves = [mode.from_tensor(micro[i]) for i in p.batch]
+                batch_leaves = [torch.empty(micro[i].shape, dtype=micro[i].dtype) for i in p.batch]
                 local = [torch.empty(self._meta[i].shape, dtype=self._meta[i].dtype) for i in p.local]
                 with torch.enable_grad():
                     _, nbytes = saved_bytes(lambda: p.module(params, received, batch_leaves, local))

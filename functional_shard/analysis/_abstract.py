@@ -50,6 +50,8 @@ class AbstractMesh(BaseMesh):
         shard_axis: the axis parameters are sharded over (default `"fsdp"`, else none).
     """
 
+    abstract = True
+
     def __init__(self, axes: dict[str, int], *, rank: int = 0, shard_axis: str | None = None):
         self.axis_names, self.axis_sizes = _check_axes(axes)
         self.world_size = math.prod(self.axis_sizes)

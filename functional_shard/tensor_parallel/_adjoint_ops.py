@@ -94,7 +94,9 @@ tp_collective.register_autograd(_backward, setup_context=_setup)
 
 def issue(x: torch.Tensor, kind: str, dim: int, mesh, axis: str) -> torch.Tensor:
     """`kind` over `axis` of `mesh` as the operator (the mesh's process groups by name)."""
-    gather_group, reduce_group = mesh._gather_group_names[axis], mesh._reduce_group_names[axis]
+    # A mesh with no process groups (an abstract one, planning on fake tensors) never runs the operator.
+    gather_group = getattr(mesh, "_gather_group_names", {}).get(axis, f"abstract:{axis}")
+    reduce_group = getattr(mesh, "_reduce_group_names", {}).get(axis, f"abstract:{axis}")
     return tp_collective(
         x, kind, dim, gather_group, reduce_group, mesh.shape[axis], mesh.coordinates[axis], bool(getattr(mesh, "_gloo", False))
     )
