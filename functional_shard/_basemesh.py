@@ -184,7 +184,7 @@ class BaseMesh:
             raise MeshError(
                 f"{what} does not apply the model-parallel axis {split[0]} of the {self.describe()} yet: it would "
                 f"replicate the parameters over it and average the gradients, which is data parallelism, not what "
-                f"the axis asks for. {can}; fs.pipeline's schedules work on a 'pp' axis on their own "
+                f"the axis asks for. {can}; fs.sharded_step(..., pipeline=...) runs a 'pp' axis "
                 f"(docs/pipelining.md)"
             )
 

@@ -1,10 +1,10 @@
 """fs.pipeline: pipeline-parallel schedules as data, checked before they run.
 
-Status: the foundation (issue 27). A schedule is a value — per pipeline rank, an ordered tuple
+A schedule is a value — per pipeline rank, an ordered tuple
 of actions (`0F1`, `1SEND_F0`, `2I3`, `0UNSHARD`, ...) in `torch.distributed.pipelining`'s
 compact form — that users print, edit, save and load (text, CSV), generate with the built-ins,
-lower with communication, prove consistent and deadlock-free, and analyze. `fs.sharded_step`
-does not run pipelines yet: see docs/pipelining.md.
+lower with communication, prove consistent and deadlock-free, and analyze; `Pipeline` says how
+`fs.sharded_step(..., pipeline=...)` runs them on a mesh's `pp` axis (docs/pipelining.md).
 
     schedule = fs.pipeline.one_f_one_b(num_ranks=4, num_microbatches=8)
     lowered = fs.pipeline.with_communication(schedule, fsdp=True)   # + SEND/RECV, UNSHARD, REDUCE_GRAD
