@@ -37,7 +37,7 @@ from . import _tracing
 from ._losses import StepError, WeightedLoss, check_loss, split_loss
 from ._pytree import tree_flatten, tree_unflatten
 
-__all__ = ["Boundary", "StageProgram", "Cut", "assign_stages", "cut_stages"]
+__all__ = ["Boundary", "StageProgram", "Cut", "assign_stages", "cut_stages", "unit_of_nodes"]
 
 _FREE = -1  # the stage of a value every stage may recompute (from the batch, buffers, constants)
 
@@ -181,7 +181,7 @@ def cut_stages(
             shapes, dtypes and devices are read).
         stage_of_leaf: per leaf, its stage, or None for a module buffer (every stage holds them).
         micro_batch: one micro-batch (its tensors' shapes and dtypes are read).
-        num_stages: the stages of the pipeline.
+        num_stages: the stages of the pipeline (0: return the traced graph, uncut).
         mesh: the step's mesh (for `split_loss` messages).
     """
     batch_leaves, batch_def = tree_flatten(micro_batch)
@@ -218,7 +218,25 @@ def cut_stages(
             f"(tensor-parallel collectives, straight-through estimators, ...). Pipelining does not compose with "
             f"them yet (docs/pipelining.md): run without pp, or write the operation from differentiable torch ops"
         )
+    if num_stages == 0:  # the trace alone (`unit_of_nodes`)
+        return gm
     return _cut(gm, len(param_leaves), stage_of_leaf, num_stages, info)
+
+
+def unit_of_nodes(gm: fx.GraphModule, num_params: int, position_of_leaf: Sequence[int | None]) -> dict[fx.Node, int]:
+    """Each computing node of a traced `loss_fn` (`cut_stages(..., num_stages=0)`) -> the position of
+    the latest unit it reads (the units in order of use), -1 for nodes of the batch alone: the
+    stage rule of `_cut` at the granularity of units, what a cost-balanced cut weighs."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    position: dict[fx.Node, int] = {}
+    for k, n in enumerate(placeholders):
+        p = position_of_leaf[k] if k < num_params else None
+        position[n] = _FREE if p is None else p
+    for n in gm.graph.nodes:
+        if n.op in ("placeholder", "output"):
+            continue
+        position[n] = max((position.get(i, _FREE) for i in n.all_input_nodes), default=_FREE)
+    return {n: p for n, p in position.items() if n.op == "call_function"}
 
 
 def _keep(values: list, into: list) -> list:

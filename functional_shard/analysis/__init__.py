@@ -31,6 +31,7 @@ from ._analyze import UnitCost as UnitCost
 from ._analyze import analyze as analyze
 from ._memory import MemoryBreakdown as MemoryBreakdown
 from ._pipeline import PipelineCandidate as PipelineCandidate
+from ._pipeline import balance_stages as balance_stages
 from ._pipeline import PipelinePlan as PipelinePlan
 from ._pipeline import StagePlan as StagePlan
 from ._pipeline import pipeline_chrome_trace as pipeline_chrome_trace
@@ -44,4 +45,4 @@ from ._timeline import plot_gantt as plot_gantt
 from ._timeline import profile as profile
 from ._timeline import save_chrome_trace as save_chrome_trace
 
-__all__ = ["A100_SXM_80GB", "Efficiency", "FITTED", "GPU", "H100_SXM", "H100_SXM_HBM2E", "cluster_machine", "AbstractMesh", "Analysis", "SearchSpace", "TuneCandidate", "TuneResult", "autotune", "CollectiveCost", "MemoryBreakdown", "Machine", "MemoryEstimate", "PipelineCandidate", "PipelinePlan", "StagePlan", "pipeline_chrome_trace", "plan_pipeline", "tune_pipeline", "Profile", "Simulation", "TraceEvent", "UnitCost", "abstract_state", "analyze", "calibrate", "chrome_trace", "h100_sxm", "load_machine", "plan", "plot_gantt", "profile", "save_chrome_trace", "simulate"]
+__all__ = ["A100_SXM_80GB", "Efficiency", "FITTED", "GPU", "H100_SXM", "H100_SXM_HBM2E", "cluster_machine", "AbstractMesh", "Analysis", "SearchSpace", "TuneCandidate", "TuneResult", "autotune", "CollectiveCost", "MemoryBreakdown", "Machine", "MemoryEstimate", "PipelineCandidate", "PipelinePlan", "StagePlan", "balance_stages", "pipeline_chrome_trace", "plan_pipeline", "tune_pipeline", "Profile", "Simulation", "TraceEvent", "UnitCost", "abstract_state", "analyze", "calibrate", "chrome_trace", "h100_sxm", "load_machine", "plan", "plot_gantt", "profile", "save_chrome_trace", "simulate"]

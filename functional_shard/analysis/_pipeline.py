@@ -22,7 +22,7 @@ from ..pipeline import Costs, analyze, build_schedule, Pipeline, peak_in_flight
 from ._costs import node_cost
 from ._machine import Machine, h100_sxm
 
-__all__ = ["StagePlan", "PipelinePlan", "PipelineCandidate", "plan_pipeline", "tune_pipeline", "pipeline_chrome_trace"]
+__all__ = ["StagePlan", "PipelinePlan", "PipelineCandidate", "plan_pipeline", "tune_pipeline", "pipeline_chrome_trace", "balance_stages"]
 
 
 class StagePlan(NamedTuple):
@@ -235,3 +235,66 @@ def pipeline_chrome_trace(profiles) -> dict:
         for name, start, end in p.events:
             events.append({"name": name, "ph": "X", "pid": 0, "tid": p.rank, "ts": (start - zero) / 1e3, "dur": (end - start) / 1e3})
     return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def balance_stages(loss_fn: Any, params: Any, micro_batch: Any, num_stages: int, *, units: Any = None,
+                   machine: Machine | None = None) -> tuple[tuple[str, ...], ...]:  # fmt: skip
+    """A cut of the units into `num_stages` contiguous stages that balances their predicted time:
+    pass it as `fs.pipeline.Pipeline(stages=...)`. Local, on fake tensors (params may be on meta).
+
+    Each node of the traced `loss_fn` is charged to the latest unit it reads (the stage rule of the
+    cut, at the granularity of units), and its time on `machine` (default `fs.analysis.h100_sxm()`;
+    the forward's, which the backward's follows at twice) is summed per unit; the units are then
+    split, in order, so that the slowest stage is as fast as it can be (dynamic programming over
+    the contiguous cuts). The default cut splits the blocks evenly and puts the embedding on the
+    first stage and the head and loss on the last; with a large vocabulary the head and the loss
+    weigh a block or more, which this cut accounts for.
+
+    Arguments:
+        loss_fn / params: as for `fs.sharded_step` and `step.init` (full tree; any device).
+        micro_batch: one micro-batch (shapes and dtypes are read).
+        num_stages: pipeline ranks x stages per rank.
+        units: the unit policy (as `fs.sharded_step`'s).
+    """
+    from .._pytree import tree_flatten, tree_paths
+    from .._stages import cut_stages, unit_of_nodes
+    from .._tree import BUFFER, leaf_roles
+    from .._units import assign_units
+    from ._abstract import AbstractMesh
+
+    machine = machine if machine is not None else h100_sxm()
+    leaves, treedef = tree_flatten(params)
+    paths, roles = tree_paths(params), leaf_roles(params)
+    sharded = [p for p, r in zip(paths, roles) if r != BUFFER]
+    unit_names = dict(zip(sharded, assign_units(units, sharded)))
+    order = list(dict.fromkeys(unit_names[p] for p in sharded))
+    if num_stages > len(order):
+        raise ValueError(f"{num_stages} stages but only {len(order)} units ({order}): use fewer stages or a finer unit policy")
+    position = [None if r == BUFFER else order.index(unit_names[p]) for p, r in zip(paths, roles)]
+    gm = cut_stages(loss_fn, treedef, leaves, position, micro_batch, 0, AbstractMesh({"fsdp": 1}))
+    seconds = [0.0] * len(order)
+    for node, p in unit_of_nodes(gm, len(leaves), position).items():
+        if p >= 0:
+            c = node_cost(node)
+            seconds[p] += machine.compute_seconds(c.flops, c.bytes, view=c.kind == "view", kind=c.kind, numel=c.numel,
+                                                  dtype=c.dtype, attention=c.attention, causal=c.causal)  # fmt: skip
+    # best[k][i]: the smallest possible slowest stage cutting units[:i] into k stages; cut[k][i] where the last begins
+    n = len(order)
+    prefix = [0.0]
+    for x in seconds:
+        prefix.append(prefix[-1] + x)
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, num_stages + 1):
+        for i in range(k, n + 1):
+            for j in range(k - 1, i):
+                value = max(best[k - 1][j], prefix[i] - prefix[j])
+                if value < best[k][i]:
+                    best[k][i], cut[k][i] = value, j
+    bounds, i = [], n
+    for k in range(num_stages, 0, -1):
+        bounds.append((cut[k][i], i))
+        i = cut[k][i]
+    return tuple(tuple(order[a:b]) for a, b in reversed(bounds))
