@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from . import _canonical, _random, _tracing
 from ._collectives import ReduceScatterFlat
 from ._layout import Layout
 from ._shard import gather_full
@@ -136,7 +137,9 @@ class _Stage:
         self.cotangents: dict[int, list] = {}  # micro-batch -> received cotangents of its sent values
         self.input_cotangents: dict[int, list] = {}  # micro-batch -> cotangents of its received values
         self.outputs: dict[int, list] = {}  # micro-batch -> values to send forward
-        self.kept: dict[int, list] = {}  # micro-batch -> cotangents an I received, for its W
+        self.kept: dict[int, list] = {}
+        self.reduce_dtypes: list = []
+        self.tree = None  # a layout-invariant step's _canonical.TreeSum over the micro-batches  # micro-batch -> cotangents an I received, for its W
 
 
 def run_actions(
@@ -153,6 +156,7 @@ def run_actions(
     backward: bool = True,
     recorder: Recorder | None = None,
     remat: frozenset = frozenset(),
+    canonical: Any = None,
 ) -> RunResult:
     """Run this rank's `row` of `schedule`.
 
@@ -170,6 +174,10 @@ def run_actions(
         recorder: a `Recorder` to fill (profiling), or None.
         remat: the stages whose forward keeps no activations: their B (or I) recomputes it
             from the stage's inputs, with the RNG state the F saw (the same bits).
+        canonical: a layout-invariant step's chunks (`_canonical.Canonical`), or None: each
+            micro-batch is a chunk, seeded on stage 0 and its generator's state carried to the
+            next stage with the activations (the draws of one process running the chunk), its
+            gradients added in the canonical tree and reduced by `_canonical.reduce`.
     """
     stages = {s: _Stage() for s in schedule.stages_of(mesh.coordinates.get("pp", 0))}
     last = schedule.num_stages - 1
@@ -181,6 +189,7 @@ def run_actions(
             unit_stage[i] = k
     for s in stages:
         by_unit[s] = sorted({unit_stage[leaf_index[i]] for i in cut.stages[s].params})
+    reduce_dtype = {i: spec.reduce_dtype for spec in layout.buffers for i in spec.leaves}
     grads: dict[str, torch.Tensor] = {}
     waits: dict[tuple, list] = {}
     pending: list[tuple[Action, Any]] = []
@@ -231,6 +240,10 @@ def run_actions(
             st.leaves = [leaves[leaf_index[i]].detach().requires_grad_(backward and _trainable(layout, leaf_index[i])) for i in program.params]
             st.local = [local_leaves[i] for i in program.local]
             st.sums = [None] * len(program.params)
+            # Each micro-batch's gradient joins the sum in its buffer's reduce dtype (as the plain
+            # step's "full" accumulation does); a layout-invariant step adds them in the canonical tree.
+            st.reduce_dtypes = [reduce_dtype[leaf_index[i]] for i in program.params]
+            st.tree = _canonical.TreeSum(len(micro_batches)) if canonical is not None else None
         elif a.kind is K.RESHARD:
             st.leaves = None
         elif a.kind is K.F:
@@ -243,6 +256,12 @@ def run_actions(
             else:
                 ready(K.RECV_F, s, m)
                 inputs = st.received.pop(m)
+            if canonical is not None:  # the chunk's random stream: seeded on stage 0, carried from stage to stage
+                if s == 0:
+                    _random.reseed(canonical.first + m, _device(mesh))
+                else:
+                    torch.set_rng_state(inputs[-1])
+                    inputs = inputs[:-1]
             inputs = [t.detach().requires_grad_(backward and b.differentiable) for t, b in zip(inputs, program.received)]
             batch = [micro_batches[m][i] for i in program.batch]
             keep = backward and s not in remat
@@ -263,7 +282,7 @@ def run_actions(
             if s == last:
                 losses[m] = [o.detach() for o in outputs]
             else:
-                st.outputs[m] = [o.detach() for o in outputs]
+                st.outputs[m] = [o.detach() for o in outputs] + ([torch.get_rng_state()] if canonical is not None else [])
         elif a.kind in (K.B, K.I, K.W):
             _backward(a, st, stages, program, schedule, last, ready, mesh)
             if recorder is not None and a.kind in (K.B, K.W):
@@ -273,6 +292,8 @@ def run_actions(
                 pending.append((a, t.contiguous()))
         elif a.kind is K.RECV_F:
             bufs = [torch.empty(b.shape, dtype=b.dtype, device=_device(mesh)) for b in program.received]
+            if canonical is not None:
+                bufs.append(torch.empty_like(torch.get_rng_state()))
             st.received[m] = bufs
             pending.extend((a, t) for t in bufs)
         elif a.kind is K.SEND_B:
@@ -358,7 +379,17 @@ def _backward(a: Action, st: _Stage, stages, program, schedule, last, ready, mes
                 g = got[k]
                 k += 1
                 if g is not None:
-                    st.sums[j] = g if st.sums[j] is None else st.sums[j] + g
+                    g = g.to(st.reduce_dtypes[j])
+                    if st.tree is not None:
+                        st.sums[j] = g  # this micro-batch's, for the tree below
+                    else:
+                        st.sums[j] = g if st.sums[j] is None else st.sums[j] + g
+        if st.tree is not None:  # every parameter's gradient of this micro-batch, one tree step
+            st.tree.add([
+                g if g is not None else torch.zeros(p.shape, dtype=d, device=p.device)
+                for g, p, d in zip(st.sums, st.leaves, st.reduce_dtypes)
+            ])  # fmt: skip
+            st.sums = [None] * len(st.leaves)
     if want_inputs:
         cots = got[len(diff_params):]
         st.input_cotangents[m] = [c if c is not None else torch.zeros_like(t) for c, t in zip(cots, diff_inputs)]
@@ -368,7 +399,8 @@ def _backward(a: Action, st: _Stage, stages, program, schedule, last, ready, mes
 
 def _reduce(layout: Layout, buffers: list[int], program, st: _Stage, leaf_index, mesh) -> dict[str, torch.Tensor]:
     """Stage `program`'s summed full gradients, per trainable buffer, reduce-scattered."""
-    by_leaf = {leaf_index[i]: (st.sums[j], st.leaves[j]) for j, i in enumerate(program.params)}
+    sums = st.tree.result() if st.tree is not None else st.sums
+    by_leaf = {leaf_index[i]: (sums[j], st.leaves[j]) for j, i in enumerate(program.params)}
     out = {}
     for k in buffers:
         spec = layout.buffers[k]
@@ -382,6 +414,10 @@ def _reduce(layout: Layout, buffers: list[int], program, st: _Stage, leaf_index,
         parts = [t.reshape(-1) for t in parts]
         parts.append(torch.zeros(spec.padded_numel - spec.numel, dtype=spec.reduce_dtype, device=_device(mesh)))
         full = torch.cat(parts)
-        grad = ReduceScatterFlat.apply(full.contiguous(), mesh, spec)
+        if st.tree is not None:
+            with _tracing.moving(spec):
+                grad = _canonical.reduce(full, mesh)
+        else:
+            grad = ReduceScatterFlat.apply(full.contiguous(), mesh, spec)
         out[spec.name] = grad if grad.dtype == spec.dtype else grad.to(spec.dtype)
     return out

@@ -21,7 +21,9 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from . import _nonfinite, _random
+import dataclasses
+
+from . import _canonical, _nonfinite, _random
 from ._checks import check_leaves, check_same_values
 from ._jit import agree
 from ._layout import make_layout
@@ -50,7 +52,7 @@ class PipelineStep:
     `explain()`, as `ShardedStep`'s."""
 
     def __init__(self, loss_fn: Callable, mesh: BaseMesh, *, optimizer, pipeline: Pipeline, microbatches: int,
-                 trace: bool, remat: Any = False, units, has_aux: bool, donate: bool, precision, nonfinite, placements):  # fmt: skip
+                 trace: bool, remat: Any = False, canonical_chunks: int | None = None, units, has_aux: bool, donate: bool, precision, nonfinite, placements):  # fmt: skip
         if has_aux:
             raise StepError("a pipelined step does not return aux yet (has_aux=True): return the loss only")
         if precision is not None and precision.loss_scale is not None:
@@ -61,6 +63,11 @@ class PipelineStep:
         if "tp" in mesh.model_axes and placements is None:
             raise MeshError(f"the {mesh.describe()} has a 'tp' axis but no placements= were given (docs/parallelism.md)")
         self.loss_fn, self.mesh, self.optimizer = loss_fn, mesh, optimizer
+        self.canonical = _canonical.resolve(canonical_chunks, mesh, microbatches)  # ValueError: not invariant here
+        if self.canonical is not None:
+            microbatches = self.canonical.per_rank
+            if getattr(mesh, "device", torch.device("cpu")).type != "cpu":
+                raise StepError("canonical_chunks with a pipeline carries the CPU generator's state between stages: CPU meshes only for now")
         self.pipeline, self.microbatches, self.trace = pipeline, microbatches, trace
         if remat is not False and not (remat is True or isinstance(remat, tuple) or callable(remat)):
             raise StepError(
@@ -83,6 +90,11 @@ class PipelineStep:
             with_communication(base, fsdp=True, reduce_grad=True))  # fmt: skip
         sends = "nonblocking" if trace else "rendezvous"
         self.check = check(lowered, sends=sends, num_ranks=self.num_ranks, num_microbatches=microbatches)
+        if self.canonical is not None and any(tuple(a) != tuple(range(microbatches)) for a in self.check.accumulation):
+            raise ScheduleError(
+                f"canonical_chunks adds each stage's chunk gradients in chunk order; the schedule {base.name!r} backs them "
+                f"out in the order {self.check.accumulation}: use a built-in or reorder its B/W actions"
+            )
         if not self.check.backward:
             raise ScheduleError(f"the pipeline schedule {base.name!r} has no backward actions: a training step needs them")
         self.schedule: PipelineSchedule = lowered
@@ -134,9 +146,15 @@ class PipelineStep:
             placements = resolve_placements(sub, self.placements, self.mesh)
             with torch.no_grad():
                 if placements is None:
-                    layout, pieces = make_layout(sub, self.mesh.num_shards, units=unit_of, precision=self.precision)
+                    layout, pieces = make_layout(sub, self.mesh.num_shards, units=unit_of, precision=self.precision,
+                                                 blocks=self._blocks)  # fmt: skip
                 else:
-                    layout, pieces = place(sub, placements, self.mesh, units=unit_of, precision=self.precision)
+                    layout, pieces = place(sub, placements, self.mesh, units=unit_of, precision=self.precision,
+                                           blocks=self._blocks)  # fmt: skip
+                # The whole model's trainable buffers, in order: a layout-invariant norm adds them in it.
+                whole = make_layout(tree_map(lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta"), params), 1,
+                                    units=self.units, precision=self.precision, blocks=self._blocks)[0]  # fmt: skip
+                self._model_buffers = [b.name for b in whole.buffers if b.trainable]
                 # What every stage program takes (the pieces' shapes, the gather dtypes), from meta copies.
                 meta = tree_map(lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta"), params)
                 computed = place(meta, resolve_placements(meta, self.placements, self.mesh), self.mesh, units=self.units,
@@ -164,13 +182,27 @@ class PipelineStep:
         self._remat_stages = frozenset(s for u, s in stage_of_unit.items() if chosen(u))
         with torch.no_grad():
             if initialize is not None:  # this rank's stages' leaves, made one at a time
-                sub_full = make_layout(sub, self.mesh.num_shards, units=unit_of, precision=self.precision)
+                sub_full = make_layout(sub, self.mesh.num_shards, units=unit_of, precision=self.precision, blocks=self._blocks)
                 sharded = shard_from(initialize, layout, sub_full[1], self.mesh, full_layout=sub_full[0])
             else:
                 sharded = shard_leaves(layout, [p.detach() for p in pieces], self.mesh)
             trainable = {spec.name: s for spec, s in zip(layout.buffers, sharded.shards) if spec.trainable}
-            opt_state = self.optimizer.init(trainable, leaves=LeafLayout.of_shards(layout, self.mesh.shard_index))
+            opt_state = self.optimizer.init(trainable, leaves=self._leaf_layout(layout))
         return StepState(sharded, opt_state, None, torch.tensor(seed, dtype=torch.int64), 0, self._key)
+
+    @property
+    def _blocks(self) -> int:
+        return self.canonical.chunks if self.canonical is not None else 0
+
+    def _leaf_layout(self, layout) -> LeafLayout:
+        """What the optimizer reads of this rank's buffers; with canonical_chunks, where they stand
+        among the whole model's (in the optimizer's order: sorted names) for a layout-invariant norm."""
+        leaves = LeafLayout.of_shards(layout, self.mesh.shard_index)
+        if self.canonical is None:
+            return leaves
+        ordered = sorted(self._model_buffers)
+        mine = sorted(spec.name for spec in layout.buffers if spec.trainable)
+        return dataclasses.replace(leaves, positions=tuple(ordered.index(n) for n in mine), count=len(ordered))
 
     def init_abstract(self, params: Any) -> StepState:
         """A state of meta tensors (nothing allocated, no collective) for planning on a mesh that
@@ -205,6 +237,12 @@ class PipelineStep:
                 self.mesh.succeed_together("a training step", error, lambda failed: PeerError(
                     f"ranks {failed} could not trace and cut loss_fn into pipeline stages (see their errors)", failed[0]))  # fmt: skip
                 self.mesh.check_same("the pipeline's stage cut", cut.describe())
+            if self.canonical is not None and list(cut.random_stages) != sorted(cut.random_stages):
+                raise StepError(
+                    f"canonical_chunks carries each chunk's random stream from stage to stage, which needs loss_fn's random "
+                    f"operations in stage order; here they come from stages {list(cut.random_stages)} in the order loss_fn "
+                    f"draws them. Cut the stages elsewhere (Pipeline(stages=...)) or draw in order"
+                )
             self._cuts[signature] = cut
         return cut
 
@@ -221,12 +259,12 @@ class PipelineStep:
         agree(self.mesh, "a training step", self._facts if self.mesh.world_size > 1 else ())
         cut = self._cut(micro[0])
         flat = [tree_flatten(m)[0] for m in micro]
-        rng = _random.stream(int(state.rng), state.step, self.mesh.data_rank, getattr(self.mesh, "device", torch.device("cpu")))
+        rng = self._random_stream(state)
         local = {i: sharded.local[k] for k, i in enumerate(_local_full(self._leaf_index, sharded.layout))}
         with rng:
             result = run_actions(self.schedule, self.schedule.actions[self.pp_rank], cut, sharded.layout, sharded.shards,
                                  local, self._leaf_index, flat, self.mesh, PointToPoint(self.mesh, self.trace),
-                                 recorder=recorder, remat=self._remat_stages)  # fmt: skip
+                                 recorder=recorder, remat=self._remat_stages, canonical=self.canonical)  # fmt: skip
         return cut, result
 
     def __call__(self, state: StepState, batch: Any) -> tuple[StepState, dict[str, Any]]:
@@ -274,9 +312,36 @@ class PipelineStep:
         axes = (*self.mesh.data_axes, "pp")
         return self.mesh.all_reduce_flat(local, axes)
 
+    def _canonical_sums(self, cut: Cut, losses: list) -> torch.Tensor:
+        """A layout-invariant step's [mean loss, sum of weights] (weighted: [sum of weight x loss,
+        sum of weights]): the last stage's chunk values met over the data axes and added in the
+        canonical tree, as the plain step adds them; every pipeline rank gets them (one all-reduce
+        over `pp` where the other stages add zeros: exact)."""
+        device = getattr(self.mesh, "device", torch.device("cpu"))
+        out = torch.zeros(2, dtype=torch.float32, device=device)
+        if losses:
+            if cut.weighted:
+                pairs = torch.stack([torch.stack([v[1].float() * v[2], v[2]]) for v in losses])
+                out = _canonical.tree_sum(_canonical.chunk_values(pairs, self.mesh))
+            else:
+                every = _canonical.chunk_values(torch.stack([v[1].float() for v in losses]), self.mesh)
+                out = torch.stack([(_canonical.tree_sum(every) / self.canonical.chunks).reshape(()), out[1]])
+        return self.mesh.all_reduce_flat(out.contiguous(), ("pp",))
+
     def _mean(self, cut: Cut, result):
         """(mean loss over everything, this rank's loss, mean gradient shards by buffer name)."""
         mesh = self.mesh
+        if self.canonical is not None:
+            sums = self._canonical_sums(cut, result.losses)
+            if cut.weighted:
+                mean_loss, grads = (sums[0] / sums[1]).reshape(()), {n: g / sums[1].to(g.dtype) for n, g in result.grads.items()}
+            else:
+                count = self.canonical.chunks
+                mean_loss, grads = sums[0].reshape(()), {n: g / count if count != 1 else g for n, g in result.grads.items()}
+            loss = mean_loss
+            if result.losses:
+                loss = (sum(v[1].float() for v in result.losses) / len(result.losses)).reshape(())
+            return mean_loss, loss, grads
         sums = self._sums(cut, result.losses)
         if cut.weighted:
             mean_loss = (sums[1] / sums[2]).reshape(())
@@ -296,11 +361,16 @@ class PipelineStep:
         trainable = {spec.name: s for spec, s in zip(layout.buffers, sharded.shards) if spec.trainable}
         whole = layout.replicated_buffers
         replicated = [name in whole for name in grads] if whole else None
-        norm = global_norm(list(grads.values()), mesh, replicated=replicated) if grads else torch.zeros(())
-        if not grads:  # a rank with no trainable leaf still takes part in the norm's all-reduce
+        if self.canonical is not None:  # per canonical block, every buffer in the whole model's order
+            blocks = layout.blocks // layout.num_shards
+            positions = ([self._model_buffers.index(n) for n in grads], len(self._model_buffers))
+            norm = global_norm(list(grads.values()), mesh, replicated=replicated, blocks=blocks, positions=positions)
+        elif grads:
+            norm = global_norm(list(grads.values()), mesh, replicated=replicated)
+        else:  # a rank with no trainable leaf still takes part in the norm's all-reduce
             norm = global_norm([torch.zeros(1)], mesh)
         new, opt_state = self.optimizer.apply(grads, state.opt_state, trainable, scalars, inplace=self.donate, mesh=mesh,
-                                              leaves=LeafLayout.of_shards(layout, mesh.shard_index))  # fmt: skip
+                                              leaves=self._leaf_layout(layout))  # fmt: skip
         shards = [new.get(spec.name, s) for spec, s in zip(layout.buffers, sharded.shards)]
         return StepOutput(shards, sharded.local, opt_state, None, mean_loss, loss, norm, None, ())
 
@@ -314,13 +384,17 @@ class PipelineStep:
         cut = self._cut(micro[0])
         flat = [tree_flatten(m)[0] for m in micro]
         local = {i: sharded.local[k] for k, i in enumerate(_local_full(self._leaf_index, sharded.layout))}
-        rng = _random.stream(int(state.rng), state.step, self.mesh.data_rank, getattr(self.mesh, "device", torch.device("cpu")))
+        rng = self._random_stream(state)
         with rng, torch.no_grad():
             result = run_actions(self.eval_schedule, self.eval_schedule.actions[self.pp_rank], cut, sharded.layout,
                                  sharded.shards, local, self._leaf_index, flat, self.mesh, PointToPoint(self.mesh, self.trace),
-                                 backward=False)  # fmt: skip
-            sums = self._sums(cut, result.losses)
-        mean = (sums[1] / sums[2]) if cut.weighted else sums[0] / (self.mesh.data_size * self.microbatches)
+                                 backward=False, canonical=self.canonical)  # fmt: skip
+            if self.canonical is not None:
+                sums = self._canonical_sums(cut, result.losses)
+                mean = sums[0] / sums[1] if cut.weighted else sums[0]
+            else:
+                sums = self._sums(cut, result.losses)
+                mean = (sums[1] / sums[2]) if cut.weighted else sums[0] / (self.mesh.data_size * self.microbatches)
         return {"loss": mean.reshape(()), "local_loss": mean.reshape(())}
 
     def profile(self, state: StepState, batch: Any) -> "PipelineProfile":
@@ -405,6 +479,12 @@ class PipelineStep:
         if self._cuts:
             lines += ["", next(reversed(self._cuts.values())).describe()]
         return "\n".join(lines)
+
+    def _random_stream(self, state: StepState):
+        """The step's random stream: per data-parallel rank and step (every pipeline rank of a data
+        rank alike), or, with canonical_chunks, reseeded per chunk (`_random.reseed`)."""
+        rank = None if self.canonical is not None else self.mesh.data_rank
+        return _random.stream(int(state.rng), state.step, rank, getattr(self.mesh, "device", torch.device("cpu")))
 
     def _check_state(self, state: StepState, what: str = "step(state, batch)") -> None:
         if not isinstance(state, StepState):

@@ -70,6 +70,7 @@ class Cut(NamedTuple):
     weighted: bool  # loss_fn returns an fs.WeightedLoss: the last stage sends (objective, loss, weight)
     summed: bool  # WeightedLoss(summed=True): the objective is the loss itself
     loss_dtype: torch.dtype
+    random_stages: tuple[int, ...] = ()  # the stage of each random operation, in the order loss_fn draws
 
     def bytes_between(self, stage: int) -> int:
         """Bytes stage `stage` sends to the next one per micro-batch (its activations)."""
@@ -335,7 +336,9 @@ def _cut(gm: fx.GraphModule, num_params: int, stage_of_leaf, num_stages: int, in
             "loss_fn's loss depends on no trainable parameter: the pipeline would train nothing. Compute it from the "
             "params argument (apply_fn(params, x))"
         )
-    return Cut(tuple(programs), info["weighted"], info["summed"], info["dtype"])
+    random = tuple(stage[n] for n in graph.nodes if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
+                   and torch.Tag.nondeterministic_seeded in n.target.tags)  # fmt: skip
+    return Cut(tuple(programs), info["weighted"], info["summed"], info["dtype"], random)
 
 
 def _program(graph, s, stage, received, sent_nodes, params, batch, param_index, batch_index, stage_of_leaf, gm, value) -> StageProgram:

@@ -549,8 +549,6 @@ def _pipeline_step(loss_fn, mesh, optimizer, schedule, units, has_aux, donate, p
 
     if mesh.shape.get("pp", 1) < 1 or "pp" not in mesh.shape:
         raise MeshError(f"pipeline= needs a 'pp' axis in the mesh; the {mesh.describe()} has none")
-    if canonical_chunks is not None:
-        raise StepError("canonical_chunks does not compose with a pipeline yet")
     if schedule is not None and (not isinstance(schedule, Schedule) or dataclasses.replace(schedule, trace=True, remat=False) != Schedule()):
         raise StepError(
             "a pipelined step takes fs.Schedule(), fs.Schedule(trace=False) (the oracle: every transfer waited where "
@@ -563,5 +561,6 @@ def _pipeline_step(loss_fn, mesh, optimizer, schedule, units, has_aux, donate, p
     elif not isinstance(pipeline, Pipeline):
         raise TypeError(f"pipeline= takes an fs.pipeline.Pipeline or a schedule's name; got {type(pipeline).__name__}")
     return PipelineStep(loss_fn, mesh, optimizer=as_optimizer(optimizer), pipeline=pipeline, microbatches=microbatches,
-                        trace=schedule is None or schedule.trace, remat=False if schedule is None else schedule.remat, units=units, has_aux=has_aux, donate=donate,
+                        trace=schedule is None or schedule.trace, remat=False if schedule is None else schedule.remat,
+                        canonical_chunks=canonical_chunks, units=units, has_aux=has_aux, donate=donate,
                         precision=precision, nonfinite=nonfinite, placements=placements)  # fmt: skip

@@ -65,7 +65,9 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
         if leaves is not None and leaves.replicated:  # a tensor-parallel step: whole leaves count once
             replicated = [len(p) == 1 and p[0] in leaves.replicated for p in optree.tree_paths(updates)]
         with torch.no_grad():
-            norm = global_norm(tensors, mesh, replicated=replicated, blocks=leaves.blocks if leaves is not None else 0)
+            positions = (leaves.positions, leaves.count) if leaves is not None and leaves.count else None
+            norm = global_norm(tensors, mesh, replicated=replicated, blocks=leaves.blocks if leaves is not None else 0,
+                               positions=positions)  # fmt: skip
             coef = torch.clamp(limit / (norm + 1e-6), max=1.0)
 
             def scale(u: torch.Tensor) -> torch.Tensor:

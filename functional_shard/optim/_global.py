@@ -57,7 +57,8 @@ def global_sum(x: Any, mesh: Optional[BaseMesh]) -> Any:
 
 
 def global_norm(
-    tree: Any, mesh: Optional[BaseMesh], *, replicated: Optional[Sequence[bool]] = None, blocks: int = 0
+    tree: Any, mesh: Optional[BaseMesh], *, replicated: Optional[Sequence[bool]] = None, blocks: int = 0,
+    positions: Optional[tuple[Sequence[int], int]] = None,
 ) -> torch.Tensor:
     """The 2-norm of all the tensors of a sharded pytree, as one vector (the whole model).
 
@@ -84,6 +85,10 @@ def global_norm(
             `LeafLayout.blocks`), or 0. With blocks, each block's sum of squares is taken
             alone, the blocks of the shard axis are gathered, and every leaf's blocks are added
             in the canonical tree: the same bits at any number of shards.
+        positions: with `blocks`, on a mesh with a `pp` axis: `(where each leaf stands among the
+            whole model's, how many the whole model has)`. The leaves' squares are placed in a
+            vector of the whole model's, summed over `pp` (each entry has one rank's value and
+            zeros: exact) and added in that order: the bits of one rank holding every leaf.
 
     Returns a 0-d tensor on the leaves' device, of the dtype torch's total norm has: the
     promotion of the leaves' real dtypes (float32 for float32 grads). An empty tree gives
@@ -107,6 +112,13 @@ def global_norm(
         # Whole on every rank of the axes that cut leaves (tp, cp); the pipeline's ranks hold different leaves.
         counted = all(mesh.coordinates[a] == 0 for a in mesh.model_axes if a != "pp")
         squares = [sq for sq, rep in zip(squares, replicated) if counted or not rep] or [squares[0].new_zeros(())]
+    if blocks and positions is not None and mesh is not None and "pp" in mesh.model_axes:
+        where, count = positions
+        full = torch.zeros(count, dtype=torch.float64, device=leaves[0].device)
+        full[list(where)] = torch.stack(squares)
+        total = all_reduce(full, mesh, axes=("pp",)).sum()
+        rest = tuple(a for a in mesh.model_axes if a != "pp")
+        return (all_reduce(total, mesh, axes=rest) if rest else total).sqrt().to(dtype)
     total = torch.stack(squares).sum()
     if blocks and mesh is not None:  # summed over the shard axis already: the model axes remain
         total = all_reduce(total, mesh, axes=mesh.model_axes) if mesh.model_axes else total

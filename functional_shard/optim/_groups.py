@@ -158,6 +158,11 @@ class LeafLayout:
     # Canonical blocks of each tensor (a layout-invariant step, `Layout.blocks` over the
     # shards), or 0: `global_norm(..., blocks=)` sums their squares in the canonical tree.
     blocks: int = 0
+    # Where this rank's tensors stand among the whole model's trainable buffers (a pipeline rank
+    # holds some stages' buffers), and how many the model has; () and 0 otherwise: a
+    # layout-invariant `global_norm` adds every buffer's squares in the whole model's order.
+    positions: tuple[int, ...] = ()
+    count: int = 0
     # Resolved group assignments, by (groups, who asks): a cache, not part of the value.
     _plans: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
