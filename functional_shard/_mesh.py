@@ -95,6 +95,10 @@ class Mesh(BaseMesh):
             if split_groups:
                 self._gather_group_names = _new_axis_groups(device_mesh, self.axis_names)
                 self._reduce_group_names = _new_axis_groups(device_mesh, self.axis_names)
+        # Pipeline transfers on a process group of their own: point-to-point operations count in
+        # a group's sequence numbers, which the agreement's heartbeat compares across ranks, and
+        # a middle stage posts twice the transfers of an end stage — not a missing collective.
+        self.p2p_group = dist.new_group() if dict(zip(self.axis_names, self.axis_sizes)).get("pp", 1) > 1 else None
         # The ranks' agreement before each collective operation, on the store (`_agreement`);
         # None for a world of one. `_entered` counts this mesh's operations, for its messages.
         names = {*self._group_names.values(), *self._gather_group_names.values(), *self._reduce_group_names.values()}

@@ -64,7 +64,8 @@ class PointToPoint:
 
     def post(self, ops: list[tuple[str, torch.Tensor, int]]) -> list:
         """Issue `("send" | "recv", tensor, pp_index)` operations; returns their works (one per op)."""
-        p2p = [dist.P2POp(dist.isend if kind == "send" else dist.irecv, t, self.peer(peer)) for kind, t, peer in ops]
+        group = getattr(self.mesh, "p2p_group", None)  # the mesh's own group for transfers (`Mesh.p2p_group`)
+        p2p = [dist.P2POp(dist.isend if kind == "send" else dist.irecv, t, self.peer(peer), group=group) for kind, t, peer in ops]
         works = dist.batch_isend_irecv(p2p) if p2p else []
         if not self.overlap:
             for w in works:

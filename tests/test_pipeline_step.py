@@ -416,21 +416,10 @@ def test_every_schedule_gives_gpipe_bits_at_pp2(cases):
 # --- the whole matrix ---------------------------------------------------------------------------
 
 
-# At pp 4 the middle ranks post twice the point-to-point operations of the end ranks on the
-# default process group, whose gloo sequence number counts them; the agreements' heartbeat then
-# reads "rank 1 issued a collective that rank 3 did not" and raises PeerError on every rank
-# (timing-dependent: most runs). Reported; pp4's numerics pass with the heartbeat's counts blanked.
-PP4_HEARTBEAT = pytest.mark.xfail(
-    raises=fs.RankError,
-    strict=False,
-    reason="p2p ops counted as collectives by the agreement heartbeat (false PeerError at pp4)",
-)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("model", MODELS)
-@pytest.mark.parametrize("mesh", [m if m != "pp4" else pytest.param(m, marks=PP4_HEARTBEAT) for m in MESHES])
+@pytest.mark.parametrize("mesh", MESHES)
 def test_matrix_trains_like_single_process_with_gpipe_bits(cases, mesh, model, schedule):
     check_case(cases(mesh, model, schedule), mesh, model)
     if schedule != "gpipe":
