@@ -154,3 +154,32 @@ def test_canonical_benchmark_quick_runs_and_reports():
         assert median_ms > 0 and peak_mib > 0, row
     assert "bit-identical across `canonical G`, `canonical G, per chunk`: True" in done.stdout
     assert "`canonical G` / `default`: time" in done.stdout
+
+
+@pytest.mark.slow  # ~15-20 s on a quiet machine; the pipeline step itself is tested in tests/test_pipeline*.py
+def test_pipeline_benchmark_quick_runs_and_reports(tmp_path):
+    """`benchmarks/pipeline.py --quick` (a tiny GPT at {"pp": 2}, 1 + 2 steps): every torch and fs
+    schedule's row and figures, every arm training what one process trains (losses), fs's stage
+    cut holding the parameters torch's does, the targets printed (never a threshold on timings)."""
+    out = tmp_path / "pipeline.json"
+    command = [sys.executable, str(BENCHMARKS / "pipeline.py"), "--quick", "--json", str(out)]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"pipeline.py failed:\n{done.stdout}\n{done.stderr[-3000:]}"
+    from pipeline import FS_SCHEDULES, TORCH_NAMES
+
+    (entry,) = json.loads(out.read_text())
+    assert (entry["mesh"], entry["model"]) == ("pp2", "gpt")
+    arms = entry["result"]["arms"]
+    names = [*TORCH_NAMES.values(), *(f"fs {s}" for s in FS_SCHEDULES)]
+    assert list(arms) == names
+    steps = entry["config"]["steps"] + entry["config"]["warmup"]
+    for name, arm in arms.items():
+        assert len(arm["times_s"]) == entry["config"]["steps"] and all(t > 0 for t in arm["times_s"]), name
+        assert len(arm["peak_bytes_per_rank"]) == 2 and min(arm["peak_bytes_per_rank"]) > 0, name
+        assert len(arm["losses"]) == steps and arm["max_loss_diff"] < 1e-4, name
+        assert arm["params_per_rank"] == arms["torch 1F1B"]["params_per_rank"], name
+        row = next(line for line in done.stdout.splitlines() if line.startswith(f"| {name} |"))
+        assert float(row.split("|")[2]) > 0, row
+    assert sum(arms["fs 1f1b"]["params_per_rank"]) == entry["result"]["params"]
+    assert "fs's stage cuts hold the same parameters per rank as torch's: True" in done.stdout
+    assert "fastest fs schedule" in done.stdout and "`fs 1f1b`: step time" in done.stdout
