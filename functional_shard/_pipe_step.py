@@ -143,7 +143,11 @@ class PipelineStep:
                 )
             sub = ModuleParams(parts[TRAINABLE], parts[FROZEN], parts[BUFFER], **extra)
             unit_of = lambda path: unit_names[path]  # noqa: E731 - the full tree's units
-            placements = resolve_placements(sub, self.placements, self.mesh)
+            # Placements are resolved on the whole tree (a rule may name another stage's leaves), then read per leaf.
+            meta = tree_map(lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta"), params)
+            every = resolve_placements(meta, self.placements, self.mesh)
+            by_path = dict(zip(paths, every)) if every is not None else {}
+            placements = tuple(by_path.get(p) for p in tree_paths(sub)) if every is not None else None
             with torch.no_grad():
                 if placements is None:
                     layout, pieces = make_layout(sub, self.mesh.num_shards, units=unit_of, precision=self.precision,
@@ -152,13 +156,10 @@ class PipelineStep:
                     layout, pieces = place(sub, placements, self.mesh, units=unit_of, precision=self.precision,
                                            blocks=self._blocks)  # fmt: skip
                 # The whole model's trainable buffers, in order: a layout-invariant norm adds them in it.
-                whole = make_layout(tree_map(lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta"), params), 1,
-                                    units=self.units, precision=self.precision, blocks=self._blocks)[0]  # fmt: skip
+                whole = make_layout(meta, 1, units=self.units, precision=self.precision, blocks=self._blocks)[0]
                 self._model_buffers = [b.name for b in whole.buffers if b.trainable]
-                # What every stage program takes (the pieces' shapes, the gather dtypes), from meta copies.
-                meta = tree_map(lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta"), params)
-                computed = place(meta, resolve_placements(meta, self.placements, self.mesh), self.mesh, units=self.units,
-                                 precision=self.precision)[0]  # fmt: skip
+                # What every stage program takes (the pieces' shapes, the gather dtypes), from the meta copy.
+                computed = place(meta, every, self.mesh, units=self.units, precision=self.precision)[0]
         except Exception as e:  # noqa: BLE001 (the other ranks must learn of it)
             error = e
         if self.mesh.abstract and error is not None:

@@ -4,7 +4,9 @@
 processes, for `fs.models.GPT` (untied; tied embedding and head: one leaf read by the first and
 the last stage) and Hugging Face `LlamaForCausalLM` from a config (sdpa, grouped-query attention,
 right padding on every row with an `attention_mask`, `-100` labels, `fs.WeightedLoss` by token
-count), at `{"pp": 2}`, `{"pp": 4}` and `{"pp": 2, "fsdp": 2}`, every built-in schedule
+count), at `{"pp": 2}`, `{"pp": 4}`, `{"pp": 2, "fsdp": 2}` and `{"pp": 2, "tp": 2}` (each stage
+tensor-parallel by the model's own plan: `hf_rules`, or `gpt_rules` with the vocabulary-parallel
+head and cross-entropy), every built-in schedule
 ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv"). Each model has 2 x pp blocks, so the
 two-stages-per-rank schedules (interleaved, zbv) cut the same model as the others. Global batch:
 8 rows; data rank r of D trains on rows r*8/D..; M = 4 micro-batches at pp 2, 8 at pp 4.
@@ -63,6 +65,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import functional_shard as fs
+import functional_shard.tensor_parallel as tp
 from functional_shard.models import GPT, GPTConfig
 
 STEPS = 5
@@ -71,7 +74,7 @@ VOCAB = 64
 LENGTH = 12
 ROWS = 8  # rows of the global batch
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv")
-MESHES = {"pp2": {"pp": 2}, "pp4": {"pp": 4}, "pp2xfsdp2": {"pp": 2, "fsdp": 2}}
+MESHES = {"pp2": {"pp": 2}, "pp4": {"pp": 4}, "pp2xfsdp2": {"pp": 2, "fsdp": 2}, "pp2xtp2": {"pp": 2, "tp": 2}}
 MODELS = ("gpt", "gpt_tied", "llama")
 ABSOLUTE = 1e-6  # a distance over every parameter below which fs and the baseline are both rounding noise
 
@@ -134,7 +137,14 @@ def tokens(labels) -> torch.Tensor:
     return (labels[:, 1:] != -100).sum()
 
 
-def make_loss(model: str, apply_fn):
+def make_loss(model: str, apply_fn, mesh=None):
+    if model != "llama" and mesh is not None and mesh.shape.get("tp", 1) > 1:
+
+        def gpt_vocab_parallel_loss(p, batch):  # gpt_rules: the head is vocabulary-parallel
+            ids, targets = batch
+            return tp.vocab_parallel_cross_entropy(apply_fn(p, ids).flatten(0, 1), targets.flatten(), mesh, "tp")
+
+        return gpt_vocab_parallel_loss
     if model == "llama":
 
         def llama_loss(p, batch):
@@ -271,13 +281,18 @@ def pipelined(world_mesh, axes, model: str, schedule: str, eager: bool = True, p
     its losses, and traced == eager on every shard and optimizer-state leaf."""
     torch.set_num_threads(1)
     mesh = mesh_of(world_mesh, axes)
-    apply_fn, params = fs.functionalize(build(model, layers(axes)))
+    module, rules = build(model, layers(axes)), None
+    if axes.get("tp", 1) > 1:  # each stage tensor-parallel by the model's plan
+        rules = tp.hf_rules(module) if model == "llama" else tp.gpt_rules(module.config)
+        module = tp.parallelize(module, rules, mesh)
+    apply_fn, params = fs.functionalize(module)
     batches = [part(global_batch(model, i), mesh.data_rank, mesh.data_size) for i in range(STEPS)]
     out, states = {}, {}
     for trace in (True, False) if eager else (True,):
         step = fs.sharded_step(
-            make_loss(model, apply_fn), mesh, optimizer=fs.optim.adamw(LR), microbatches=microbatches(axes),
+            make_loss(model, apply_fn, mesh), mesh, optimizer=fs.optim.adamw(LR), microbatches=microbatches(axes),
             pipeline=fs.pipeline.Pipeline(schedule), schedule=fs.Schedule(trace=trace), precision=precision,
+            placements=rules,
         )  # fmt: skip
         state = step.init(params)
         if trace:
@@ -404,6 +419,12 @@ def test_gpt_pp2_trains_like_single_process(cases, schedule):
 
 def test_llama_pp2xfsdp2_1f1b_trains_like_single_process(cases):
     check_case(cases("pp2xfsdp2", "llama", "1f1b"), "pp2xfsdp2", "llama")
+
+
+def test_llama_pp2xtp2_zero_bubble_trains_like_single_process(cases):
+    """Each stage tensor-parallel by Llama's own plan; zero bubble splits every backward into its
+    input and weight halves, through the stage's tensor-parallel collectives' adjoints."""
+    check_case(cases("pp2xtp2", "llama", "zb_h1"), "pp2xtp2", "llama")
 
 
 def test_every_schedule_gives_gpipe_bits_at_pp2(cases):
