@@ -236,7 +236,9 @@ def run_actions(
             leaves: dict[int, torch.Tensor] = {}
             for k in by_unit[s]:
                 spec = layout.buffers[k]
-                full = gather_full(spec, shards[k], mesh, differentiable=False)
+                # alias: without a shard axis the "gathered" leaves are views of the shard itself (read
+                # only: gradients are new tensors), not a second copy of the stage's parameters
+                full = gather_full(spec, shards[k], mesh, differentiable=False, alias=True)
                 leaves.update(zip(spec.leaves, layout.unflatten_buffer(spec, full)))
             st.leaves = [leaves[leaf_index[i]].detach().requires_grad_(backward and _trainable(layout, leaf_index[i])) for i in program.params]
             st.local = [local_leaves[i] for i in program.local]
