@@ -27,7 +27,7 @@ from . import _canonical, _nonfinite, _random
 from ._checks import check_leaves, check_same_values
 from ._jit import agree
 from ._layout import make_layout
-from ._mesh import BaseMesh, MeshError, PeerError
+from ._mesh import BaseMesh, Mesh, MeshError, PeerError
 from ._pipe_run import PointToPoint, Recorder, run_actions, saved_bytes
 from ._placed import place, resolve_placements
 from ._pytree import tree_flatten, tree_map, tree_paths
@@ -57,6 +57,13 @@ class PipelineStep:
             raise StepError("a pipelined step does not return aux yet (has_aux=True): return the loss only")
         if precision is not None and precision.loss_scale is not None:
             raise StepError("a pipelined step does not support fp16 loss scaling yet: use bfloat16 (fs.Precision(...))")
+        if not mesh.abstract and not isinstance(mesh, Mesh):
+            raise MeshError(
+                f"the model-parallel axis 'pp' (size {mesh.shape['pp']}) of the {mesh.describe()} needs point-to-point "
+                f"transfers between processes, which a {type(mesh).__name__} (ranks as threads) has none of: run the "
+                f"pipeline on fs.init_mesh (fs.launch, fs.testing.LocalWorld, torchrun), or plan it on an "
+                f"fs.analysis.AbstractMesh"
+            )
         split = [a for a in mesh.model_axes if a not in ("tp", "pp")]
         if split:
             raise MeshError(f"fs.sharded_step does not apply the model-parallel axis {split[0]!r} of the {mesh.describe()}")
