@@ -169,5 +169,8 @@ def test_adamw_no_further_from_single_process_than_ddp(local_world, world_size, 
     worst_ddp = max(report["ddp_param_errors"].values())
     # Both are rounding noise that AdamW magnifies where the true gradient is ~0; fs may not
     # be noisier than DDP beyond a factor that separates a bug (orders of magnitude) from noise.
-    assert worst_fs <= max(2.0 * worst_ddp, 1e-6), (worst_fs, worst_ddp, report["param_errors"])
+    # The floor is the suite's tolerance for first-step gradients (1e-5 relative): on some
+    # machines the CNN's BatchNorm at 4 ranks puts DDP at 1.4e-6 and fs at 5.1e-6 (2026-11-27,
+    # also at commit 80469ff), both far below what a wrong mean or a lost gradient gives (>= 1e-3).
+    assert worst_fs <= max(2.0 * worst_ddp, 1e-5), (worst_fs, worst_ddp, report["param_errors"])
     assert report["export_outputs_equal"] and report["exported_keys_match"]
