@@ -67,6 +67,7 @@ from torch import nn
 import functional_shard as fs
 import functional_shard.tensor_parallel as tp
 from functional_shard.models import GPT, GPTConfig
+from test_pipeline_checkpoint import held  # this rank's parameters and AdamW moments, gathered whole, by name
 
 STEPS = 5
 LR = 1e-2
@@ -257,22 +258,6 @@ def mesh_of(world_mesh, axes: dict[str, int]):
     if key not in _MESHES:
         _MESHES[key] = fs.init_mesh(axes)
     return _MESHES[key]
-
-
-def held(state) -> dict[str, torch.Tensor]:
-    """This rank's parameters and AdamW moments, gathered whole (a collective over fsdp), by path."""
-    sharded = state.params
-    tree = fs.gather(sharded, full=True)
-    out = {f"params/{p}": t.detach().clone() for p, t in zip(fs.tree_paths(tree), fs.tree_leaves(tree))}
-    trainable = {i for spec in sharded.layout.buffers if spec.trainable for i in spec.leaves}
-    for name in ("exp_avg", "exp_avg_sq"):
-        moment = getattr(state.opt_state, name)
-        shards = [moment.get(spec.name, torch.zeros_like(s)) for spec, s in zip(sharded.layout.buffers, sharded.shards)]
-        tree = fs.gather(sharded.replace(shards=shards), full=True)
-        for i, (p, t) in enumerate(zip(fs.tree_paths(tree), fs.tree_leaves(tree))):
-            if i in trainable:
-                out[f"{name}/{p}"] = t.detach().clone()
-    return out
 
 
 def pipelined(world_mesh, axes, model: str, schedule: str, eager: bool = True, precision=None) -> dict:
