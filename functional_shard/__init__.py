@@ -49,7 +49,7 @@ from ._shard import shard as shard
 from ._step import ShardedStep as ShardedStep
 from ._step import StepError as StepError
 from ._step import StepState as StepState
-from ._step import sharded_step as sharded_step
+from ._make_step import sharded_step as sharded_step
 from ._jit import TraceError as TraceError
 from ._pytree import NAMESPACE as PYTREE_NAMESPACE
 from ._pytree import pytree_dataclass as pytree_dataclass

@@ -20,7 +20,8 @@ from typing import Any
 import torch
 
 from .._mesh import BaseMesh, _check_axes, _shard_axis_of
-from .._step import ShardedStep, StepState, sharded_step
+from .._make_step import sharded_step
+from .._step import ShardedStep, StepState
 from .._tracing import record
 from ..schedule._axes import abstract_group_name
 from ._analyze import Analysis, analyze

@@ -324,7 +324,7 @@ def _average(mesh, points: list[tuple[float, float]]) -> tuple:
 def _step_overhead(mesh, repeat: int) -> float:
     """What a traced step's call costs beyond its graph, on this rank: a step of one small
     parameter timed whole and as its graph alone."""
-    from .._step import sharded_step
+    from .._make_step import sharded_step
     from ..optim import sgd
 
     device = getattr(mesh, "device", torch.device("cpu"))

@@ -23,7 +23,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .._step import ShardedStep, sharded_step
+from .._make_step import sharded_step
+from .._step import ShardedStep
 from ._calibrate import _everyone
 
 __all__ = ["Measurement", "measure", "with_schedule"]
