@@ -183,14 +183,10 @@ def run_actions(
     stages = {s: _Stage() for s in schedule.stages_of(mesh.coordinates.get("pp", 0))}
     last = schedule.num_stages - 1
     losses: dict[int, list] = {}
-    by_unit: dict[int, list[int]] = {}  # stage -> indices of its buffers in the layout
-    unit_stage = {}
-    for k, spec in enumerate(layout.buffers):
-        for i in spec.leaves:
-            unit_stage[i] = k
-    for s in stages:
-        by_unit[s] = sorted({unit_stage[leaf_index[i]] for i in cut.stages[s].params})
-    reduce_dtype = {i: spec.reduce_dtype for spec in layout.buffers for i in spec.leaves}
+    buffer_of = {i: spec for spec in layout.buffers for i in spec.leaves}  # layout leaf -> its buffer
+    index_of = {spec.name: k for k, spec in enumerate(layout.buffers)}
+    # stage -> indices of its buffers in the layout
+    by_unit = {s: sorted({index_of[buffer_of[leaf_index[i]].name] for i in cut.stages[s].params}) for s in stages}
     grads: dict[str, torch.Tensor] = {}
     waits: dict[tuple, list] = {}
     pending: list[tuple[Action, Any]] = []
@@ -240,12 +236,13 @@ def run_actions(
                 # only: gradients are new tensors), not a second copy of the stage's parameters
                 full = gather_full(spec, shards[k], mesh, differentiable=False, alias=True)
                 leaves.update(zip(spec.leaves, layout.unflatten_buffer(spec, full)))
-            st.leaves = [leaves[leaf_index[i]].detach().requires_grad_(backward and _trainable(layout, leaf_index[i])) for i in program.params]
+            st.leaves = [leaves[leaf_index[i]].detach().requires_grad_(backward and buffer_of[leaf_index[i]].trainable)
+                         for i in program.params]  # fmt: skip
             st.local = [local_leaves[i] for i in program.local]
             st.sums = [None] * len(program.params)
             # Each micro-batch's gradient joins the sum in its buffer's reduce dtype (as the plain
             # step's "full" accumulation does); a layout-invariant step adds them in the canonical tree.
-            st.reduce_dtypes = [reduce_dtype[leaf_index[i]] for i in program.params]
+            st.reduce_dtypes = [buffer_of[leaf_index[i]].reduce_dtype for i in program.params]
             st.tree = _canonical.TreeSum(len(micro_batches)) if canonical is not None else None
         elif a.kind is K.RESHARD:
             st.leaves = None
@@ -319,10 +316,6 @@ def run_actions(
 
 def _device(mesh) -> torch.device:
     return getattr(mesh, "device", torch.device("cpu"))
-
-
-def _trainable(layout: Layout, leaf: int) -> bool:
-    return any(leaf in spec.leaves and spec.trainable for spec in layout.buffers)
 
 
 def _rng_state(mesh) -> tuple:

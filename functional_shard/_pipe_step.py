@@ -17,11 +17,10 @@ micro-batch order (`fs.pipeline.check(...).accumulation`).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, NamedTuple
 
 import torch
-
-import dataclasses
 
 from . import _canonical, _nonfinite, _random
 from ._checks import check_leaves, check_same_values
@@ -36,8 +35,7 @@ from ._reference import StepError, StepOutput, split_microbatches
 from ._shard import Sharded, _check_shards, shard_leaves
 from ._stages import Cut, assign_stages, cut_stages
 from ._state import StepState, _StepKey, check_not_donated
-from ._tree import BUFFER, FROZEN, TRAINABLE, ModuleParams, leaf_roles
-from ._units import assign_units
+from ._tree import BUFFER, FROZEN, TRAINABLE, ModuleParams
 from .optim import LeafLayout, global_norm
 from .pipeline import Action, Pipeline, PipelineSchedule, ScheduleError, build_schedule, check, with_communication
 from .pipeline import explain as pipeline_explain
@@ -130,10 +128,9 @@ class PipelineStep:
         try:
             full_layout, leaves = make_layout(params, 1, units=self.units)
             check_leaves(full_layout, leaves, self.mesh, meta_ok=initialize is not None or self.mesh.abstract)
-            paths, roles = tree_paths(params), leaf_roles(params)
-            sharded_paths = [p for p, r in zip(paths, roles) if r != BUFFER]
-            unit_names = dict(zip(sharded_paths, assign_units(self.units, sharded_paths)))
-            order = list(dict.fromkeys(unit_names[p] for p in sharded_paths))
+            paths, roles = full_layout.paths, full_layout.roles
+            unit_names = {paths[i]: spec.unit for spec in full_layout.buffers for i in spec.leaves}
+            order = list(dict.fromkeys(unit_names[p] for p, r in zip(paths, roles) if r != BUFFER))
             stage_of_unit = assign_stages(order, self.num_stages, self.pipeline.stages)
             mine = set(self.schedule.stages_of(self.pp_rank))
             parts: dict[str, dict] = {TRAINABLE: {}, FROZEN: {}, BUFFER: {}}
@@ -162,18 +159,13 @@ class PipelineStep:
                 else:
                     layout, pieces = place(sub, placements, self.mesh, units=unit_of, precision=self.precision,
                                            blocks=self._blocks)  # fmt: skip
-                # The whole model's trainable buffers, in order: a layout-invariant norm adds them in it.
-                whole = make_layout(meta, 1, units=self.units, precision=self.precision, blocks=self._blocks)[0]
-                self._model_buffers = [b.name for b in whole.buffers if b.trainable]
-                # What every stage program takes (the pieces' shapes, the gather dtypes), from the meta copy.
+                # What every stage program takes (the pieces' shapes, the gather dtypes), from the meta copy;
+                # and the whole model's trainable buffers, in order: a layout-invariant norm adds them in it.
                 computed = place(meta, every, self.mesh, units=self.units, precision=self.precision)[0]
+                self._model_buffers = [b.name for b in computed.buffers if b.trainable]
         except Exception as e:  # noqa: BLE001 (the other ranks must learn of it)
             error = e
-        if self.mesh.abstract and error is not None:
-            raise error
-        if not self.mesh.abstract:
-            self.mesh.succeed_together("step.init", error, lambda failed: PeerError(
-                f"ranks {failed} refused their parameters or pipeline cut in step.init (see their errors)", failed[0]))  # fmt: skip
+        self._together("step.init", error, "refused their parameters or pipeline cut in step.init")
         if values == "check" and initialize is None and not self.mesh.abstract:
             check_same_values(full_layout, [leaf.detach() for leaf in leaves], self.mesh)
         # What every stage program takes: per leaf of the full tree, its stage, its computed shape and dtype.
@@ -184,7 +176,6 @@ class PipelineStep:
         shapes, dtypes = computed.shapes, [gather.get(i, leaf.dtype) for i, leaf in enumerate(leaves)]
         self._treedef = tree_flatten(params)[1]
         self._meta = [torch.empty(s, dtype=d, device="meta") for s, d in zip(shapes, dtypes)]
-        self._stage_of_unit = stage_of_unit
         chosen = (lambda u: True) if self.remat is True else (lambda u: False) if self.remat is False else (
             (lambda u: u in self.remat) if isinstance(self.remat, tuple) else self.remat)  # fmt: skip
         self._remat_stages = frozenset(s for u, s in stage_of_unit.items() if chosen(u))
@@ -239,11 +230,8 @@ class PipelineStep:
                 cut = cut_stages(self.loss_fn, self._treedef, self._meta, self._stage_of_leaf, micro, self.num_stages, self.mesh)
             except Exception as e:  # noqa: BLE001
                 error = e
-            if self.mesh.abstract and error is not None:
-                raise error
+            self._together("a training step", error, "could not trace and cut loss_fn into pipeline stages")
             if not self.mesh.abstract:
-                self.mesh.succeed_together("a training step", error, lambda failed: PeerError(
-                    f"ranks {failed} could not trace and cut loss_fn into pipeline stages (see their errors)", failed[0]))  # fmt: skip
                 self.mesh.check_same("the pipeline's stage cut", cut.describe())
             if self.canonical is not None and list(cut.random_stages) != sorted(cut.random_stages):
                 raise StepError(
@@ -262,8 +250,7 @@ class PipelineStep:
             micro = self._micro(batch)
         except StepError as e:
             error = e
-        self.mesh.succeed_together("a training step", error, lambda failed: PeerError(
-            f"ranks {failed} refused their batch (see their errors)", failed[0]))  # fmt: skip
+        self._together("a training step", error, "refused their batch")
         agree(self.mesh, "a training step", self._facts if self.mesh.world_size > 1 else ())
         cut = self._cut(micro[0])
         flat = [tree_flatten(m)[0] for m in micro]
@@ -487,6 +474,16 @@ class PipelineStep:
         if self._cuts:
             lines += ["", next(reversed(self._cuts.values())).describe()]
         return "\n".join(lines)
+
+    def _together(self, operation: str, error: BaseException | None, what: str) -> None:
+        """Every rank learns whether any failed `operation` (its own error, or `PeerError` naming
+        the ranks that did); on an abstract mesh, with no ranks to tell, the error alone."""
+        if self.mesh.abstract:
+            if error is not None:
+                raise error
+            return
+        self.mesh.succeed_together(operation, error, lambda failed: PeerError(
+            f"ranks {failed} {what} (see their errors)", failed[0]))  # fmt: skip
 
     def _random_stream(self, state: StepState):
         """The step's random stream: per data-parallel rank and step (every pipeline rank of a data
