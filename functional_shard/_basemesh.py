@@ -260,12 +260,7 @@ class BaseMesh:
         except MeshError:
             pass
         # They differ: exchange the lists themselves to say where.
-        data = torch.tensor(list("\n".join(items).encode()), dtype=torch.uint8)
-        lengths = self.all_gather_world(torch.tensor([data.numel()], dtype=torch.int64)).tolist()
-        padded = torch.zeros(max(lengths) or 1, dtype=torch.uint8)
-        padded[: data.numel()] = data
-        everyone = self.all_gather_world(padded).view(self.world_size, -1)
-        lists = [bytes(everyone[r, : lengths[r]].tolist()).decode().split("\n") for r in range(self.world_size)]
+        lists = [text.split("\n") for text in gather_texts(self, "\n".join(items))]
         index = next(
             i
             for i in range(max(len(x) for x in lists) + 1)
@@ -305,6 +300,18 @@ class BaseMesh:
             )
         return values
 
+
+
+def gather_texts(mesh: BaseMesh, text: str) -> list[str]:
+    """Every rank's `text` (any length, empty for nothing to say), in rank order. A collective:
+    two all-gathers (the lengths, then the bytes padded to the longest)."""
+    device = getattr(mesh, "device", None)
+    data = torch.tensor(list(text.encode()), dtype=torch.uint8)
+    lengths = mesh.all_gather_world(torch.tensor([data.numel()], dtype=torch.int64, device=device)).tolist()
+    padded = torch.zeros(max(max(lengths), 1), dtype=torch.uint8)
+    padded[: data.numel()] = data
+    everyone = mesh.all_gather_world(padded.to(device)).view(mesh.world_size, -1).cpu()
+    return [bytes(everyone[rank, :n].tolist()).decode() for rank, n in enumerate(lengths)]
 
 
 def _check_product(names, sizes, world: int) -> None:

@@ -25,6 +25,7 @@ from typing import Any, Sequence
 import torch
 
 from ._agreement import digest
+from ._basemesh import gather_texts  # noqa: F401 - re-exported: checkpoints and export read it here
 from ._layout import Layout, make_layout
 from ._mesh import BaseMesh, MeshError
 from ._pytree import tree_flatten, tree_paths, tree_unflatten
@@ -150,15 +151,3 @@ def layout_groups(layout: Layout, mesh: BaseMesh) -> tuple[int, ...]:
     mine = torch.tensor([digest(layout.signature())], dtype=torch.int64, device=getattr(mesh, "device", None))
     first: dict[int, int] = {}
     return tuple(first.setdefault(d, rank) for rank, d in enumerate(mesh.all_gather_world(mine).tolist()))
-
-
-def gather_texts(mesh: BaseMesh, text: str) -> list[str]:
-    """Every rank's `text` (any length, empty for nothing to say), in rank order. A collective:
-    two all-gathers (the lengths, then the bytes padded to the longest)."""
-    device = getattr(mesh, "device", None)
-    data = torch.tensor(list(text.encode()), dtype=torch.uint8)
-    lengths = mesh.all_gather_world(torch.tensor([data.numel()], dtype=torch.int64, device=device)).tolist()
-    padded = torch.zeros(max(max(lengths), 1), dtype=torch.uint8)
-    padded[: data.numel()] = data
-    everyone = mesh.all_gather_world(padded.to(device)).view(mesh.world_size, -1).cpu()
-    return [bytes(everyone[rank, :n].tolist()).decode() for rank, n in enumerate(lengths)]
