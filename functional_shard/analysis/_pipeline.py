@@ -120,25 +120,50 @@ def plan_pipeline(step: Any, state: Any, batch: Any, *, machine: Machine | None 
         schedule / microbatches: an alternative to plan (default: the step's own).
     """
     machine = machine if machine is not None else h100_sxm()
+    return _plan(step, state, _stage_figures(step, state, batch, machine), machine, schedule, microbatches)
+
+
+class _StageFigures(NamedTuple):
+    """One stage's figures at the step's own micro-batch size (what every plan scales)."""
+
+    flops: int
+    seconds: float
+    saved: int
+    sent: int
+    elements: int
+
+
+def _stage_figures(step: Any, state: Any, batch: Any, machine: Machine) -> list[_StageFigures]:
+    """Per stage, read from its program once: FLOPs and time on `machine`, bytes saved per micro-batch
+    (fake tensors), bytes sent forward, parameter elements."""
     cut = step.stage_cut(state, batch)
+    saved = step.saved_per_microbatch(cut, batch)
+    elements = step.stage_param_elements()
+    out = []
+    for p in cut.stages:
+        flops, seconds = _stage_seconds(p.module, machine)
+        sent = sum(_nbytes(b) for b in p.sent) if p.index < len(cut.stages) - 1 else 0
+        out.append(_StageFigures(flops, seconds, saved[p.index], sent, elements[p.index]))
+    return out
+
+
+def _plan(step: Any, state: Any, figures: list[_StageFigures], machine: Machine, schedule: Any,
+          microbatches: int | None) -> PipelinePlan:  # fmt: skip
     m0 = step.microbatches
     m = microbatches if microbatches is not None else m0
     pipeline = step.pipeline if schedule is None else (schedule if isinstance(schedule, Pipeline) else Pipeline(schedule))
     compute = build_schedule(pipeline, step.num_ranks, m)
-    if compute.num_stages != len(cut.stages):
+    if compute.num_stages != len(figures):
         raise ValueError(
-            f"the schedule {compute.name!r} has {compute.num_stages} stages but the step was cut into {len(cut.stages)}: "
-            f"plan schedules with the same stages per rank ({len(cut.stages) // step.num_ranks})"
+            f"the schedule {compute.name!r} has {compute.num_stages} stages but the step was cut into {len(figures)}: "
+            f"plan schedules with the same stages per rank ({len(figures) // step.num_ranks})"
         )
     scale = m0 / m  # per-micro-batch figures scale with the rows of a micro-batch
-    saved = step.saved_per_microbatch(cut, batch)
-    elements = step.stage_param_elements()
-    stages = []
-    for p in cut.stages:
-        flops, seconds = _stage_seconds(p.module, machine)
-        sent = sum(_nbytes(b) for b in p.sent) if p.index < len(cut.stages) - 1 else 0
-        stages.append(StagePlan(p.index, compute.rank_of(p.index), int(flops * scale), seconds * scale,
-                                int(saved[p.index] * scale), int(sent * scale), elements[p.index]))  # fmt: skip
+    stages = [
+        StagePlan(i, compute.rank_of(i), int(f.flops * scale), f.seconds * scale, int(f.saved * scale),
+                  int(f.sent * scale), f.elements)  # fmt: skip
+        for i, f in enumerate(figures)
+    ]
     link = machine.collective_bandwidth.get("all_gather", 0) or 1.0
     costs = [
         Costs(forward=s.forward_s, backward=2 * s.forward_s, input_grad=s.forward_s, weight_grad=s.forward_s,
@@ -190,6 +215,8 @@ def tune_pipeline(step: Any, state: Any, batch: Any, *, budget_bytes: int | None
         microbatches: counts to try (default: every divisor of the batch's rows from the pipeline
             ranks up, and the step's own).
     """
+    machine = machine if machine is not None else h100_sxm()
+    figures = _stage_figures(step, state, batch, machine)  # the same for every candidate: read once
     rows = step.batch_rows(batch)
     counts = microbatches or tuple(sorted({k for k in range(1, rows + 1) if rows % k == 0 and k >= step.num_ranks} | {step.microbatches}))
     plans = []
@@ -198,7 +225,7 @@ def tune_pipeline(step: Any, state: Any, batch: Any, *, budget_bytes: int | None
             if rows % m:
                 continue
             try:
-                plans.append(plan_pipeline(step, state, batch, machine=machine, schedule=name, microbatches=m))
+                plans.append(_plan(step, state, figures, machine, name, m))
             except Exception as error:  # noqa: BLE001 - a schedule that does not exist at these sizes
                 plans.append((name, m, str(error)))
     out = []
