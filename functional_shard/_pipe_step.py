@@ -242,24 +242,27 @@ class PipelineStep:
             self._cuts[signature] = cut
         return cut
 
-    def _run(self, state: StepState, batch: Any, recorder: Recorder | None = None):
-        """This rank's actions on `batch`: (cut, RunResult)."""
+    def _run(self, state: StepState, batch: Any, recorder: Recorder | None = None, forward_only: bool = False):
+        """This rank's actions on `batch` (the step's schedule, or with `forward_only` its forward
+        actions in GPipe's order, no autograd graph): (cut, RunResult)."""
         sharded = state.params
+        operation = "step.evaluate" if forward_only else "a training step"
         error, micro = None, None
         try:
             micro = self._micro(batch)
         except StepError as e:
             error = e
-        self._together("a training step", error, "refused their batch")
-        agree(self.mesh, "a training step", self._facts if self.mesh.world_size > 1 else ())
+        self._together(operation, error, "refused their batch")
+        agree(self.mesh, operation, self._facts if self.mesh.world_size > 1 else ())
         cut = self._cut(micro[0])
         flat = [tree_flatten(m)[0] for m in micro]
-        rng = self._random_stream(state)
         local = {i: sharded.local[k] for k, i in enumerate(_local_full(self._leaf_index, sharded.layout))}
-        with rng:
-            result = run_actions(self.schedule, self.schedule.actions[self.pp_rank], cut, sharded.layout, sharded.shards,
-                                 local, self._leaf_index, flat, self.mesh, PointToPoint(self.mesh, self.trace),
-                                 recorder=recorder, remat=self._remat_stages, canonical=self.canonical)  # fmt: skip
+        schedule = self.eval_schedule if forward_only else self.schedule
+        with self._random_stream(state), torch.set_grad_enabled(not forward_only):
+            result = run_actions(schedule, schedule.actions[self.pp_rank], cut, sharded.layout, sharded.shards, local,
+                                 self._leaf_index, flat, self.mesh, PointToPoint(self.mesh, self.trace),
+                                 backward=not forward_only, recorder=recorder, remat=self._remat_stages,
+                                 canonical=self.canonical)  # fmt: skip
         return cut, result
 
     def __call__(self, state: StepState, batch: Any) -> tuple[StepState, dict[str, Any]]:
@@ -373,24 +376,10 @@ class PipelineStep:
         """The loss on `batch` without training: the forward actions of the schedule (GPipe's
         order), every stage gathered once. Returns `loss` (mean over data ranks) and `local_loss`."""
         self._check_state(state, "step.evaluate(state, batch)")
-        sharded = state.params
-        micro = self._micro(batch)
-        agree(self.mesh, "step.evaluate", self._facts if self.mesh.world_size > 1 else ())
-        cut = self._cut(micro[0])
-        flat = [tree_flatten(m)[0] for m in micro]
-        local = {i: sharded.local[k] for k, i in enumerate(_local_full(self._leaf_index, sharded.layout))}
-        rng = self._random_stream(state)
-        with rng, torch.no_grad():
-            result = run_actions(self.eval_schedule, self.eval_schedule.actions[self.pp_rank], cut, sharded.layout,
-                                 sharded.shards, local, self._leaf_index, flat, self.mesh, PointToPoint(self.mesh, self.trace),
-                                 backward=False, canonical=self.canonical)  # fmt: skip
-            if self.canonical is not None:
-                sums = self._canonical_sums(cut, result.losses)
-                mean = sums[0] / sums[1] if cut.weighted else sums[0]
-            else:
-                sums = self._sums(cut, result.losses)
-                mean = (sums[1] / sums[2]) if cut.weighted else sums[0] / (self.mesh.data_size * self.microbatches)
-        return {"loss": mean.reshape(()), "local_loss": mean.reshape(())}
+        cut, result = self._run(state, batch, forward_only=True)
+        with torch.no_grad():
+            mean = self._mean(cut, result)[0].reshape(())
+        return {"loss": mean, "local_loss": mean}
 
     def profile(self, state: StepState, batch: Any) -> "PipelineProfile":
         """Run the step's actions on `batch` once (no update: as `grad`), timing each action and
