@@ -183,12 +183,12 @@ def calibrate(mesh, *, path: str | None = None, name: str | None = None, quick: 
     view_overhead = _loop_seconds(lambda: _aten.view.default(one, [1]), min_loop_s, device=device)
 
     pool_bytes = (8 if quick else 16) << 20  # the matrix products' operands, per rank
-    matmul = []
-    for n in (32, 128, 512) if quick else (32, 64, 128, 256, 512, 1024):
-        operands = itertools.cycle([torch.randn(n, n, device=device) for _ in range(max(2, min(256, pool_bytes // (4 * n * n))))])
-        mesh.all_reduce_flat(torch.zeros(1, device=device))
-        seconds = _loop_seconds(lambda: _aten.mm.default(next(operands), next(operands)), min_loop_s, device=device)
-        matmul.append((2.0 * n**3, 2.0 * n**3 / seconds))
+    gpu = device.type == "cuda"
+    dtype_scale, attention = {}, 0.0
+    if gpu:
+        matmul, dtype_scale, attention = _gpu_products(mesh, device, min_loop_s, quick)
+    else:
+        matmul = _products(mesh, device, (32, 128, 512) if quick else (32, 64, 128, 256, 512, 1024), torch.float32, min_loop_s, pool_bytes)
     bandwidth = []
     for numel in (1_000, 100_000, 1_000_000) if quick else (1_000, 10_000, 100_000, 1_000_000, 4_000_000):
         x = torch.randn(numel, device=device)
@@ -231,10 +231,54 @@ def calibrate(mesh, *, path: str | None = None, name: str | None = None, quick: 
         step_overhead_s=_slowest(mesh, _step_overhead(mesh, 5 if quick else 20)),
         op_seconds_hot={kind: _average(mesh, points) for kind, points in op_seconds_hot.items()},
         cache_bytes=_cache_share(mesh, device),
+        matmul_dtype_scale={name: _mean(mesh, value) for name, value in dtype_scale.items()},
+        attention_flops=_mean(mesh, attention) if attention else 0.0,
     )
     if path is not None and mesh.rank == 0:
         machine.save(path)
     return machine
+
+
+def _products(mesh, device, sizes, dtype, min_loop_s: float, pool_bytes: int) -> list[tuple[float, float]]:
+    """((FLOPs of one square product, FLOP/s), ...) of `dtype` products at `sizes`, operands
+    cycled through a pool of `pool_bytes`."""
+    points = []
+    size = torch.empty((), dtype=dtype).element_size()
+    for n in sizes:
+        count = max(2, min(256, pool_bytes // (size * n * n)))
+        operands = itertools.cycle([torch.randn(n, n, device=device, dtype=dtype) for _ in range(count)])
+        mesh.all_reduce_flat(torch.zeros(1, device=device))
+        seconds = _loop_seconds(lambda: _aten.mm.default(next(operands), next(operands)), min_loop_s, device=device)
+        points.append((2.0 * n**3, 2.0 * n**3 / seconds))
+    return points
+
+
+def _gpu_products(mesh, device, min_loop_s: float, quick: bool) -> tuple[list, dict, float]:
+    """A GPU's products: the bfloat16 curve (its tensor cores: what a mixed-precision step's
+    products run at) from 128 to 8192, float32 and float16 as a scale of it (the median ratio
+    over the sizes from 1024 up), and the rate of the fused causal attention kernel (forward and
+    backward of `scaled_dot_product_attention`, bfloat16, 32 heads of 128, 2048 positions) on the
+    FLOPs it does (half of what torch counts for a causal call)."""
+    sizes = (128, 1024, 4096) if quick else (128, 256, 512, 1024, 2048, 4096, 8192)
+    pool = 256 << 20  # larger than any GPU's L2: operands come from memory, as a step's do
+    curve = _products(mesh, device, sizes, torch.bfloat16, min_loop_s, pool)
+    scale = {}
+    for dtype in (torch.float32, torch.float16):
+        other = _products(mesh, device, [n for n in sizes if n >= 1024], dtype, min_loop_s, pool)
+        rates = dict(curve)
+        scale[str(dtype).removeprefix("torch.")] = statistics.median(r / rates[f] for f, r in other)
+    b, h, s, d = 2, 32, 2048, 128
+    q, k, v = (torch.randn(b, h, s, d, device=device, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    grad = torch.randn(b, h, s, d, device=device, dtype=torch.bfloat16)
+
+    def attend():
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        torch.autograd.grad(out, (q, k, v), grad)
+
+    mesh.all_reduce_flat(torch.zeros(1, device=device))
+    seconds = _loop_seconds(attend, min_loop_s, device=device)
+    done = 3 * 4 * b * h * s * s * d / 2  # forward 2 products, backward 4; causal: half
+    return curve, scale, done / seconds
 
 
 def _last_level_cache(device) -> int:

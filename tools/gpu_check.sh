@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The GPU checks of docs/gpu.md in one command, for a machine with one CUDA GPU whose python3
+# has torch, transformers, safetensors, einops, pytest and hypothesis (optree may come as a
+# wheel in .whl/). Logs and results go to $OUT (default ./gpu-out).
+#   bash tools/gpu_check.sh [tests] [bench] [offload]
+set -u
+OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
+what=${*:-tests bench}
+for part in $what; do
+  case $part in
+    tests) timeout ${TESTS_S:-150} python3 -m pytest -q -p no:cacheprovider -x tests/test_cuda.py 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
+    bench) timeout ${BENCH_S:-270} python3 benchmarks/gpu.py --out "$OUT/gpu.json" --calibrate --rounds ${ROUNDS:-3} --steps 3 --arms ${ARMS:-torch,fsdp2,fs,fs-compile} 2>&1 | tee "$OUT/bench.log" | grep -v Warning | tail -30 ;;
+    offload) timeout ${OFFLOAD_S:-200} python3 benchmarks/gpu.py --out "$OUT/offload.json" --rounds 2 --steps 3 --arms fs,fs-offload 2>&1 | tee "$OUT/offload.log" | tail -12 ;;
+  esac
+done
