@@ -113,7 +113,7 @@ class Mesh(BaseMesh):
         # After an error, no barrier: the peers may be waiting for this rank in another collective.
         shutdown(barrier=exc_type is None)
 
-    def all_gather_flat(self, shard: torch.Tensor) -> torch.Tensor:
+    def _all_gather_flat(self, shard: torch.Tensor) -> torch.Tensor:
         if self.shard_axis is None:
             return shard.clone()  # nothing is sharded: the full buffer is the shard (a buffer of its own)
         record("all_gather")
@@ -121,7 +121,7 @@ class Mesh(BaseMesh):
             _C10D.all_gather_into_tensor(shard, self.num_shards, self._gather_group_names[self.shard_axis])
         )
 
-    def reduce_scatter_flat(self, full: torch.Tensor) -> torch.Tensor:
+    def _reduce_scatter_flat(self, full: torch.Tensor) -> torch.Tensor:
         if self.shard_axis is None:
             return full.clone()
         group = self._reduce_group_names[self.shard_axis]
@@ -138,7 +138,7 @@ class Mesh(BaseMesh):
         parts = _C10D.wait_tensor(_C10D.all_to_all_single(full, splits, splits, group))
         return parts if self.num_shards == 1 else parts.view(self.num_shards, -1).sum(0)
 
-    def all_reduce_flat(self, x: torch.Tensor, axes: tuple[str, ...] | None = None) -> torch.Tensor:
+    def _all_reduce_flat(self, x: torch.Tensor, axes: tuple[str, ...] | None = None) -> torch.Tensor:
         axes = self.axis_names if axes is None else axes
         if set(axes) == set(self.axis_names) and len(self.axis_names) > 1:
             record("all_reduce")
@@ -148,18 +148,18 @@ class Mesh(BaseMesh):
             x = _C10D.wait_tensor(_C10D.all_reduce(x, "sum", self._reduce_group_names[axis]))
         return x
 
-    def all_gather_world(self, x: torch.Tensor) -> torch.Tensor:
+    def _all_gather_world(self, x: torch.Tensor) -> torch.Tensor:
         record("all_gather")
         return _C10D.wait_tensor(_C10D.all_gather_into_tensor(x, self.world_size, self._world_group_name))
 
     # Collectives over one named axis (tensor parallelism: fs.tensor_parallel moves a tensor
     # dimension onto dimension 0 around them). Flat, contiguous 1-D tensors, as above.
-    def all_gather_axis_flat(self, x: torch.Tensor, axis: str) -> torch.Tensor:
+    def _all_gather_axis_flat(self, x: torch.Tensor, axis: str) -> torch.Tensor:
         """[n] on every rank -> [size * n]: the pieces of the ranks along `axis`, in axis order."""
         record("all_gather")
         return _C10D.wait_tensor(_C10D.all_gather_into_tensor(x, self.shape[axis], self._gather_group_names[axis]))
 
-    def reduce_scatter_axis_flat(self, x: torch.Tensor, axis: str) -> torch.Tensor:
+    def _reduce_scatter_axis_flat(self, x: torch.Tensor, axis: str) -> torch.Tensor:
         """[size * n] -> [n]: the sum over the ranks along `axis`; this rank keeps slice
         `coordinates[axis]`. On gloo an all-to-all plus a rank-order sum, as `reduce_scatter_flat`."""
         size, group = self.shape[axis], self._reduce_group_names[axis]
@@ -170,12 +170,46 @@ class Mesh(BaseMesh):
         parts = _C10D.wait_tensor(_C10D.all_to_all_single(x, splits, splits, group))
         return parts if size == 1 else parts.view(size, -1).sum(0)
 
-    def all_to_all_axis_flat(self, x: torch.Tensor, axis: str) -> torch.Tensor:
+    def _all_to_all_axis_flat(self, x: torch.Tensor, axis: str) -> torch.Tensor:
         """`BaseMesh.all_to_all_axis_flat`: recorded as the reduce-scatter it is part of."""
         size = self.shape[axis]
         record("reduce_scatter")
         splits = [x.numel() // size] * size
         return _C10D.wait_tensor(_C10D.all_to_all_single(x, splits, splits, self._reduce_group_names[axis]))
+
+    # The collectives take tensors where the backend wants them: NCCL only moves CUDA tensors,
+    # and the library's small exchanges (agreement, layout digests, metrics) are made on the
+    # CPU. A tensor on another device than the mesh's goes there and its result comes back; the
+    # step's own buffers are already on the mesh's device and pass straight through.
+    def _moved(self, op, x: torch.Tensor, *args) -> torch.Tensor:
+        if x.device == self.device or self._gloo:
+            return op(x, *args)
+        return op(x.to(self.device), *args).to(x.device)
+
+    def all_gather_flat(self, shard: torch.Tensor) -> torch.Tensor:
+        return self._moved(self._all_gather_flat, shard)
+
+    def reduce_scatter_flat(self, full: torch.Tensor) -> torch.Tensor:
+        return self._moved(self._reduce_scatter_flat, full)
+
+    def all_reduce_flat(self, x: torch.Tensor, axes: tuple[str, ...] | None = None) -> torch.Tensor:
+        return self._moved(self._all_reduce_flat, x, axes)
+
+    def all_gather_world(self, x: torch.Tensor) -> torch.Tensor:
+        return self._moved(self._all_gather_world, x)
+
+    def all_gather_axis_flat(self, x: torch.Tensor, axis: str) -> torch.Tensor:
+        """[n] on every rank -> [size * n]: the pieces of the ranks along `axis`, in axis order."""
+        return self._moved(self._all_gather_axis_flat, x, axis)
+
+    def reduce_scatter_axis_flat(self, x: torch.Tensor, axis: str) -> torch.Tensor:
+        """[size * n] -> [n]: the sum over the ranks along `axis`; this rank keeps slice
+        `coordinates[axis]`. On gloo an all-to-all plus a rank-order sum, as `reduce_scatter_flat`."""
+        return self._moved(self._reduce_scatter_axis_flat, x, axis)
+
+    def all_to_all_axis_flat(self, x: torch.Tensor, axis: str) -> torch.Tensor:
+        """`BaseMesh.all_to_all_axis_flat`: recorded as the reduce-scatter it is part of."""
+        return self._moved(self._all_to_all_axis_flat, x, axis)
 
     def agree(self, operation: str, value: int = 0) -> list[int]:
         """`BaseMesh.agree`, kept on the rendezvous store before any collective (`_agreement`):
@@ -295,7 +329,8 @@ def shutdown(*, barrier: bool = True) -> None:
 
 
 def _gather_world(x: torch.Tensor, group) -> torch.Tensor:
-    out = torch.empty(dist.get_world_size() * x.numel(), dtype=x.dtype)
-    dist.all_gather_into_tensor(out, x, group=group)
-    return out
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else x.device
+    out = torch.empty(dist.get_world_size() * x.numel(), dtype=x.dtype, device=device)
+    dist.all_gather_into_tensor(out, x.to(device), group=group)
+    return out.to(x.device)
 

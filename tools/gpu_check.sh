@@ -14,7 +14,7 @@ python3 -c "import torch, transformers; print('torch', torch.__version__, 'trans
 what=${*:-tests bench}
 for part in $what; do
   case $part in
-    tests) timeout ${TESTS_S:-150} python3 -m pytest -q -p no:cacheprovider -x tests/test_cuda.py 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
+    tests) timeout ${TESTS_S:-150} python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
     bench) timeout ${BENCH_S:-270} python3 benchmarks/gpu.py --out "$OUT/gpu.json" --calibrate --rounds ${ROUNDS:-3} --steps 3 --arms ${ARMS:-torch,fsdp2,fs,fs-compile} 2>&1 | tee "$OUT/bench.log" | grep -v Warning | tail -30 ;;
     offload) timeout ${OFFLOAD_S:-200} python3 benchmarks/gpu.py --out "$OUT/offload.json" --rounds 2 --steps 3 --arms fs,fs-offload 2>&1 | tee "$OUT/offload.log" | tail -12 ;;
   esac
