@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from ._mesh import BaseMesh
-from ._tracing import moving
+from ._tracing import carried, moving
 
 __all__ = ["GatherFlat", "ReduceScatterFlat", "AllReduceFlat", "gather_bytes"]
 
@@ -28,6 +28,7 @@ __all__ = ["GatherFlat", "ReduceScatterFlat", "AllReduceFlat", "gather_bytes"]
 _MOVE_AS_BYTES = {torch.int16, torch.uint16, torch.uint32, torch.uint64, torch.complex32, torch.complex64, torch.complex128}
 
 
+@carried
 class GatherFlat(torch.autograd.Function):
     """All-gather in forward; reduce-scatter (+ replicate all-reduce) in backward.
 
@@ -67,6 +68,7 @@ class GatherFlat(torch.autograd.Function):
         return grad, None, None, None, None
 
 
+@carried
 class ReduceScatterFlat(torch.autograd.Function):
     """Reduce-scatter (sum over every rank, this rank keeps its shard-axis slice) in forward;
     all-gather over the shard axis in backward.
@@ -96,6 +98,7 @@ class ReduceScatterFlat(torch.autograd.Function):
         return GatherFlat.apply(grad_shard.contiguous(), ctx.mesh, ctx.buffer), None, None
 
 
+@carried
 class AllReduceFlat(torch.autograd.Function):
     """Sum over the ranks along `axes` (all axes when None) in forward; the same sum in backward.
 

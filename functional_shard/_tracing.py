@@ -22,7 +22,7 @@ import torch.compiler
 
 __all__ = [
     "Issued", "Guard", "recording", "moving", "phase", "microbatch", "record", "guard", "graph_semantics",
-    "random_stream", "random_base", "adjoint_ops", "adjoint_ops_enabled",
+    "random_stream", "random_base", "adjoint_ops", "adjoint_ops_enabled", "carried", "carry_into_backward",
 ]
 
 
@@ -135,6 +135,44 @@ def adjoint_ops_enabled() -> bool:
 def random_base() -> int | None:
     """The base seed of the enclosing `random_stream`, or None."""
     return _RANDOM_BASE.get()
+
+
+def carry_into_backward(setup_context, backward):
+    """(setup_context, backward) of an autograd function whose backward sees the context of
+    its forward when the autograd engine runs it on another thread.
+
+    The engine runs the backward of CUDA tensors on a thread of its own per device (on a CPU,
+    in the thread that asked for the gradient), and a thread starts with no context variables:
+    a collective the backward issues would go unrecorded while a step is traced, and a traced
+    pipeline stage would lose `adjoint_ops`. `setup_context` keeps the forward's context and
+    thread; a backward run on another thread runs in a copy of that context, labelled
+    "backward" and moving no buffer until the function labels one itself (as in the thread
+    that asked, where those are the defaults). On the asking thread nothing changes."""
+
+    def carrying_setup(ctx, inputs, output):
+        setup_context(ctx, inputs, output)
+        ctx.fs_context = (threading.get_ident(), contextvars.copy_context())
+
+    def carrying_backward(ctx, *grads):
+        ident, context = ctx.fs_context
+        if ident == threading.get_ident():
+            return backward(ctx, *grads)
+        return context.copy().run(_in_backward, backward, ctx, grads)
+
+    return carrying_setup, carrying_backward
+
+
+def _in_backward(backward, ctx, grads):
+    with phase("backward"), moving(None):
+        return backward(ctx, *grads)
+
+
+def carried(cls):
+    """Class decorator for a `torch.autograd.Function` with `setup_context`:
+    `carry_into_backward` on its `setup_context` and `backward`."""
+    setup, backward = carry_into_backward(cls.setup_context, cls.backward)
+    cls.setup_context, cls.backward = staticmethod(setup), staticmethod(backward)
+    return cls
 
 
 def record(kind: str) -> None:

@@ -333,3 +333,45 @@ def test_what_runs_calls_the_operators_entry_points():
     assert calls and not any(isinstance(n.target, torch._ops.OpOverload) for n in calls)
     assert all(isinstance(n.target, torch._ops.OpOverload) for n in gm.graph.nodes if n.op == "call_function")
     assert torch.equal(run(a, b), gm(a, b)) and torch.equal(run(a, b), f(a, b))
+
+
+def test_a_backward_on_another_thread_is_recorded_as_on_the_asking_thread():
+    """The autograd engine runs a CUDA backward on a thread of its own, which starts with no
+    context variables: the collectives it issues must still be recorded (labelled "backward",
+    with their buffer and micro-batch) while a step is traced. Emulated here on a CPU by asking
+    for the gradient from a second thread."""
+    import threading
+
+    from functional_shard import _tracing
+    from functional_shard._collectives import GatherFlat
+
+    class OneRank:  # the mesh a world of one would be, recording as a real mesh does
+        num_shards = 1
+
+        def all_gather_flat(self, x):
+            _tracing.record("all_gather")
+            return x.clone()
+
+        def reduce_scatter_flat(self, x):
+            _tracing.record("reduce_scatter")
+            return x.clone()
+
+        replicate_axes = ()
+
+        def all_reduce_flat(self, x, axes=None):
+            _tracing.record("all_reduce")
+            return x.clone()
+
+    shard = torch.randn(6, requires_grad=True)
+    results = {}
+    with _tracing.recording() as (log, _), _tracing.microbatch(3):
+        with _tracing.phase("forward"):
+            full = GatherFlat.apply(shard, OneRank(), "buffer-a")
+        loss = (full * full).sum()
+        thread = threading.Thread(target=lambda: results.update(grad=torch.autograd.grad(loss, shard)[0]))
+        thread.start()
+        thread.join()
+    assert torch.equal(results["grad"], 2 * shard.detach())
+    kinds = [(e.kind, e.buffer, e.phase, e.microbatch) for e in log]
+    assert kinds[0] == ("all_gather", "buffer-a", "forward", 3)
+    assert kinds[1][:3] == ("reduce_scatter", "buffer-a", "backward") and kinds[1][3] == 3, kinds

@@ -56,7 +56,7 @@ __all__ = [
 def checksum(tensor: torch.Tensor) -> str:
     """The CRC-32 of a contiguous CPU tensor's bytes, as 8 hex digits (fixed width: a file's
     size does not depend on its checksums)."""
-    data = tensor.reshape(-1).view(torch.uint8).numpy() if tensor.numel() else b""
+    data = tensor.detach().cpu().reshape(-1).view(torch.uint8).numpy() if tensor.numel() else b""
     return f"{zlib.crc32(data):08x}"
 
 
@@ -75,7 +75,9 @@ def write_rank_file(path: Path, tensors: dict[str, torch.Tensor], metadata: dict
 
     The metadata gets `crc32`: every tensor's `checksum`, as JSON. Tensors are laid out widest
     dtype first, each at an offset aligned to its element size. Returns the file's size and the
-    CRC-32 of its header (8-byte length and JSON), for the commit marker."""
+    CRC-32 of its header (8-byte length and JSON), for the commit marker. Tensors on a GPU are
+    copied to the host first."""
+    tensors = {name: t.detach().cpu().contiguous() for name, t in tensors.items()}
     names = sorted(tensors, key=lambda name: (-tensors[name].element_size(), name))
     entries: dict[str, dict] = {}
     offset = 0

@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 from torch.library import custom_op
 
+from .._tracing import carry_into_backward
+
 __all__ = ["ADJOINT", "tp_collective", "issue"]
 
 _C10D = torch.ops._c10d_functional
@@ -89,7 +91,8 @@ def _backward(ctx, grad):
     return (tp_collective(grad.contiguous(), ADJOINT[kind], *rest),) + (None,) * 7
 
 
-tp_collective.register_autograd(_backward, setup_context=_setup)
+_carried_setup, _carried_backward = carry_into_backward(_setup, _backward)
+tp_collective.register_autograd(_carried_backward, setup_context=_carried_setup)
 
 
 def issue(x: torch.Tensor, kind: str, dim: int, mesh, axis: str) -> torch.Tensor:

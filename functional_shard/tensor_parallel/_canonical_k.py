@@ -49,6 +49,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._basemesh import BaseMesh
+from .._tracing import carried
 from .._canonical import degrees, tree_sum
 from ._collectives import gather_along, scatter_along
 from ._loss import reduce_loss, shifted_logits
@@ -85,6 +86,7 @@ def _gather_tree(local: torch.Tensor, mesh: BaseMesh, axis: str) -> torch.Tensor
     return tree_sum(every.view(size, *local.shape))
 
 
+@carried
 class _TreeReduce(torch.autograd.Function):
     """Forward: `parts` (`[n, ...]`, this rank's `n` canonical blocks' addends, block-major, in
     runs of `chunks` per block) added in the canonical tree, then every rank's sum all-gathered
@@ -104,6 +106,7 @@ class _TreeReduce(torch.autograd.Function):
         return _FanOut.apply(grad, ctx.count, ctx.mesh, ctx.axis), None, None
 
 
+@carried
 class _FanOut(torch.autograd.Function):
     """Forward: `x` (replicated over `axis`) as `count` views, `[count, ...]`, one per canonical
     block that reads it (replaces `copy_to`). Backward: the blocks' gradients added in the

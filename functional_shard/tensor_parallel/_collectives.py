@@ -34,7 +34,7 @@ import torch
 
 from .._mesh import BaseMesh
 from ._placement import Placement, Replicated, join_pieces
-from .._tracing import adjoint_ops_enabled
+from .._tracing import adjoint_ops_enabled, carried
 from ._adjoint_ops import issue
 
 __all__ = [
@@ -87,6 +87,7 @@ def _all_reduce(x: torch.Tensor, mesh: BaseMesh, axis: str) -> torch.Tensor:
     return mesh.all_reduce_flat(x.contiguous().view(-1), (axis,)).view(x.shape)
 
 
+@carried
 class CopyTo(torch.autograd.Function):
     """Megatron's f: identity in forward; all-reduce (sum) over `axis` in backward.
 
@@ -108,6 +109,7 @@ class CopyTo(torch.autograd.Function):
         return ReduceFrom.apply(grad, ctx.mesh, ctx.axis), None, None
 
 
+@carried
 class ReduceFrom(torch.autograd.Function):
     """Megatron's g: all-reduce (sum) over `axis` in forward; identity in backward.
 
@@ -129,6 +131,7 @@ class ReduceFrom(torch.autograd.Function):
         return CopyTo.apply(grad, ctx.mesh, ctx.axis), None, None
 
 
+@carried
 class GatherAlong(torch.autograd.Function):
     """All-gather along `dim` over `axis` in forward; reduce-scatter (sum) along `dim` in backward
     (the gathered tensor's gradient is partial: sequence parallelism)."""
@@ -146,6 +149,7 @@ class GatherAlong(torch.autograd.Function):
         return ReduceScatterAlong.apply(grad, ctx.dim, ctx.mesh, ctx.axis), None, None, None
 
 
+@carried
 class ReduceScatterAlong(torch.autograd.Function):
     """Reduce-scatter (sum over `axis`, this rank keeps its slice along `dim`) in forward;
     all-gather along `dim` in backward."""
@@ -163,6 +167,7 @@ class ReduceScatterAlong(torch.autograd.Function):
         return GatherAlong.apply(grad, ctx.dim, ctx.mesh, ctx.axis), None, None, None
 
 
+@carried
 class ScatterAlong(torch.autograd.Function):
     """This rank's slice along `dim` in forward (no communication); all-gather along `dim` in
     backward (the gathered gradient is replicated)."""
@@ -180,6 +185,7 @@ class ScatterAlong(torch.autograd.Function):
         return GatherSplitGrad.apply(grad, ctx.dim, ctx.mesh, ctx.axis), None, None, None
 
 
+@carried
 class GatherSplitGrad(torch.autograd.Function):
     """All-gather along `dim` in forward; this rank's slice of the gradient in backward (the
     gathered tensor is used replicated: every rank computes the same from it)."""

@@ -53,6 +53,7 @@ from torch import nn
 
 from ._collectives import _all_gather, copy_to, gather_along, scatter_along
 from ._placement import PlacementError
+from .._tracing import carried
 
 __all__ = [
     "SEQUENCE_DIM",
@@ -169,6 +170,7 @@ class _Regather:
         return full
 
 
+@carried
 class LinearOnGathered(torch.autograd.Function):
     """`F.linear(full, weight, bias)` that saves this rank's sequence slice instead of the
     gathered input and all-gathers it again for the weight's gradient (Megatron-SP: the
