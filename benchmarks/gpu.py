@@ -13,13 +13,14 @@ of every arm in turn, `--rounds` rounds; the median step of each arm):
   `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`, `AdamW(fused=True)`;
 - `fs`: `fs.sharded_step` (the default traced schedule, `donate=True`), `fs.Precision(bf16,
   fp32)`, `fs.optim.adamw`;
-- `fs-compile`: the same with `fs.Schedule(compile=True)`;
-- `fs-offload`: the same with every unit's parameters, gradients and optimizer state in pinned
-  host memory (`fs.Schedule(offload=fs.schedule.Offload())`), when the library has it.
+- `fs-fused`: the same with `fs.optim.adamw(fused=True)` (torch's fused AdamW kernel on each
+  flat shard);
+- `fs-compile`, `fs-fused-compile`: those with `fs.Schedule(compile=True)`.
 
 Per arm: seconds per step, tokens/s, MFU (6 N + 12 L h s FLOPs per token over 989 TFLOP/s,
 H100/H200 SXM dense bf16) and the allocator's peak (`torch.cuda.max_memory_allocated` during a
-step, less what the other arms hold: each arm's own resident bytes are added back). For `fs`:
+step, less what the other arms hold: each arm's own resident bytes are added back). For the
+`--analyze` arm:
 `fs.analysis`'s predicted peak and the simulator's step time on the machine `fs.analysis.calibrate`
 measures on this GPU. Results go to `--out` as JSON after every section (a run cut short keeps
 what it measured) and as a table on stdout.
@@ -120,12 +121,12 @@ class TorchArm:
 
 
 class FsArm:
-    def __init__(self, module, batch, mesh, *, schedule):
+    def __init__(self, module, batch, mesh, *, schedule, fused=False):
         apply_fn, params = fs.functionalize(module)
         self.step = fs.sharded_step(
             lambda p, b: cross_entropy(apply_fn(p, input_ids=b[0]).logits, b[0]),
             mesh,
-            optimizer=fs.optim.adamw(1e-4, weight_decay=0.1),
+            optimizer=fs.optim.adamw(1e-4, weight_decay=0.1, fused=fused),
             precision=fs.Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
             schedule=schedule,
             donate=True,
@@ -166,7 +167,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--arms", default="torch,fsdp2,fs,torch-compile,fs-compile,fs-offload")
+    parser.add_argument("--arms", default="torch,fsdp2,fs,fs-fused,torch-compile,fs-compile")
+    parser.add_argument("--analyze", default="fs-fused", help="the fs arm whose memory and time fs.analysis predicts (else the first fs arm)")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--calibrate", action="store_true", help="calibrate the simulator here and predict the fs step")
     args = parser.parse_args()
@@ -198,13 +200,12 @@ def main() -> None:
                 arms[name] = TorchArm(module, batch, kind=name)
             elif name == "fs":
                 arms[name] = FsArm(module, batch, mesh, schedule=fs.Schedule())
+            elif name == "fs-fused":
+                arms[name] = FsArm(module, batch, mesh, schedule=fs.Schedule(), fused=True)
             elif name == "fs-compile":
                 arms[name] = FsArm(module, batch, mesh, schedule=fs.Schedule(compile=True))
-            elif name == "fs-offload":
-                offload = getattr(fs.schedule, "Offload", None)
-                if offload is None:
-                    raise RuntimeError("this fs has no fs.schedule.Offload")
-                arms[name] = FsArm(module, batch, mesh, schedule=fs.Schedule(offload=offload()))
+            elif name == "fs-fused-compile":
+                arms[name] = FsArm(module, batch, mesh, schedule=fs.Schedule(compile=True), fused=True)
             for _ in range(args.warmup):
                 timed(arms[name], device)
             log(results, args.out, **{f"setup_s/{name}": time.perf_counter() - start})
@@ -235,8 +236,9 @@ def main() -> None:
         )
     log(results, args.out, arms=rows)
 
-    if "fs" in arms:
-        fs_arm = arms["fs"]
+    analyzed = args.analyze if args.analyze in arms else next((a for a in arms if a.startswith("fs")), None)
+    if analyzed is not None:
+        fs_arm = arms[analyzed]
         try:
             compiled = fs_arm.step.lower(fs_arm.state, batch)
             analysis_machine = fs.analysis.h100_sxm(world_size=1)
@@ -253,7 +255,7 @@ def main() -> None:
                 extra.update(calibrated_step_s=calibrated.step_s, calibrated_compute_s=calibrated.compute_s,
                              calibrated_phases=calibrated.phases, machine_matmul=machine.matmul_flops[-3:],
                              machine_scale=machine.matmul_dtype_scale, machine_attention=machine.attention_flops)
-            log(results, args.out, fs_analysis=extra)
+            log(results, args.out, fs_analysis=dict(extra, arm=analyzed))
         except Exception as error:
             log(results, args.out, **{"error/analysis": f"{type(error).__name__}: {error}"})
             print(f"analysis: FAILED {type(error).__name__}: {error}", flush=True)
@@ -265,7 +267,8 @@ def main() -> None:
         print(f"{name:<14} {r['step_s']:8.4f} {r['tokens_per_s']:10.0f} {r['mfu'] * 100:5.1f}% {r['peak_bytes'] / 2**30:9.2f} {ratio:>9}")
     if "fs_analysis" in results:
         a = results["fs_analysis"]
-        measured = rows["fs"]
+        measured = rows[a["arm"]]
+        print(f"fs.analysis of the {a['arm']} arm:")
         print(f"fs predicted peak {a['predicted_peak'] / 2**30:.2f} GiB vs measured {measured['peak_bytes'] / 2**30:.2f} GiB "
               f"({(a['predicted_peak'] / max(measured['peak_bytes'], 1) - 1) * 100:+.1f}%)")
         if "calibrated_step_s" in a:

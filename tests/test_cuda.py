@@ -127,6 +127,30 @@ def test_traced_equals_eager_on_cuda(deterministic, name, precision):
         assert same_bits(s, e)
 
 
+def test_fused_adamw_traced_equals_eager_on_cuda(deterministic):
+    """`fs.optim.adamw(fused=True)` (torch's fused CUDA kernel per flat shard): traced == eager,
+    donated or not, bit for bit, and torch.optim.AdamW(fused=True)'s bits on the same gradients."""
+    with fs.init_mesh({"fsdp": 1}) as mesh:
+        optimizer = fs.optim.adamw(1e-3, weight_decay=0.1, fused=True)
+        traced, s0 = fs_step("llama", mesh, optimizer=optimizer, precision=BF16)
+        eager, e0 = fs_step("llama", mesh, optimizer=optimizer, precision=BF16, schedule=fs.Schedule(trace=False))
+        s, traced_losses = train(traced, s0, "llama")
+        e, eager_losses = train(eager, e0, "llama")
+        assert traced_losses == eager_losses and same_bits(s, e)
+        torch.manual_seed(1)
+        params = {"w": torch.randn(1000, device="cuda"), "b": torch.randn(7, device="cuda")}
+        reference = {k: torch.nn.Parameter(v.clone()) for k, v in params.items()}
+        torch_opt = torch.optim.AdamW(reference.values(), lr=1e-3, weight_decay=0.1, fused=True)
+        state = optimizer.init(params)
+        for _ in range(3):
+            grads = {k: torch.randn_like(v) for k, v in params.items()}
+            for k in reference:
+                reference[k].grad = grads[k].clone()
+            torch_opt.step()
+            params, state = optimizer.update(grads, state, params)
+        assert all(torch.equal(params[k], reference[k].detach()) for k in params)
+
+
 @pytest.mark.parametrize("name", ["gpt", "llama"])
 def test_cuda_matches_plain_pytorch(name):
     with fs.init_mesh({"fsdp": 1}) as mesh:

@@ -375,3 +375,28 @@ def test_a_backward_on_another_thread_is_recorded_as_on_the_asking_thread():
     kinds = [(e.kind, e.buffer, e.phase, e.microbatch) for e in log]
     assert kinds[0] == ("all_gather", "buffer-a", "forward", 3)
     assert kinds[1][:3] == ("reduce_scatter", "buffer-a", "backward") and kinds[1][3] == 3, kinds
+
+
+def fused_adamw(mesh):
+    """fs.optim.adamw(fused=True) in a step: traced (donated or not) == eager bit for bit."""
+    step, params = make_step(mesh, "gpt", fs.Schedule())
+    optimizer = fs.optim.adamw(1e-2, weight_decay=0.1, fused=True)
+    results = {}
+    for name, schedule, donate in (("eager", fs.Schedule(trace=False), False), ("traced", fs.Schedule(), False), ("donated", fs.Schedule(), True)):
+        s = fs.sharded_step(step.loss_fn, mesh, optimizer=optimizer, schedule=schedule, donate=donate)
+        state = s.init(params)
+        for i in range(STEPS):
+            state, _ = s(state, local_batch(global_batch("gpt", mesh.world_size, i), mesh.rank))
+        results[name] = [t.clone() for t in fs.tree_leaves(state)]
+    default = fs.sharded_step(step.loss_fn, mesh, optimizer=fs.optim.adamw(1e-2, weight_decay=0.1))
+    state = default.init(params)
+    for i in range(STEPS):
+        state, _ = default(state, local_batch(global_batch("gpt", mesh.world_size, i), mesh.rank))
+    same = lambda a, b: all(torch.equal(x, y) for x, y in zip(a, b))  # noqa: E731
+    far = max(float((x.double() - y.double()).abs().max()) for x, y in zip(results["eager"], fs.tree_leaves(state)) if x.is_floating_point())
+    return {"traced": same(results["traced"], results["eager"]), "donated": same(results["donated"], results["eager"]), "near the default kernel": far < 1e-4}
+
+
+def test_fused_adamw_traced_equals_eager(local_world):
+    for report in local_world(2).run(fused_adamw):
+        assert all(report.values()), report

@@ -733,3 +733,37 @@ def test_exact_addcdiv_scaled_matches_addcdiv_value(dtype):
     for x, y, z, value in _exact_cases(dtype, 24):
         want = x.clone().addcdiv_(y, z, value=value)
         assert torch.equal(_exact.addcdiv_scaled_(x.clone(), y, z, _exact.scalar(value)), want)
+
+
+@pytest.mark.parametrize("amsgrad", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_adamw_is_torch_fused_adamw(dtype, amsgrad):
+    """`adamw(fused=True)` gives `torch.optim.AdamW(fused=True)`'s bits, with parameter groups
+    (their own lr and weight decay) and a learning-rate schedule."""
+    torch.manual_seed(0)
+    params = {"a": torch.randn(37, dtype=dtype), "b": {"w": torch.randn(5, 3, dtype=dtype)}}
+    lr = lambda count: 3e-3 * (0.5 if count >= 2 else 1.0)  # noqa: E731
+    groups = [optim.group("b.*", lr=1e-3, weight_decay=0.0)]
+    reference_a = torch.nn.Parameter(params["a"].clone())
+    reference_w = torch.nn.Parameter(params["b"]["w"].clone())
+    torch_opt = torch.optim.AdamW(
+        [{"params": [reference_a]}, {"params": [reference_w], "lr": 1e-3, "weight_decay": 0.0}],
+        lr=3e-3, weight_decay=0.1, amsgrad=amsgrad, fused=True,
+    )  # fmt: skip
+    opt = optim.adamw(lr, weight_decay=0.1, amsgrad=amsgrad, groups=groups, fused=True)
+    state = opt.init(params)
+    for i in range(4):
+        if i == 2:
+            torch_opt.param_groups[0]["lr"] = 1.5e-3
+        grads = optree.tree_map(torch.randn_like, params)
+        reference_a.grad, reference_w.grad = grads["a"].clone(), grads["b"]["w"].clone()
+        torch_opt.step()
+        params, state = opt.update(grads, state, params)
+        assert torch.equal(params["a"], reference_a.detach()) and torch.equal(params["b"]["w"], reference_w.detach()), i
+
+
+def test_fused_adamw_refuses_complex_params():
+    opt = optim.adamw(1e-3, fused=True)
+    params = {"z": torch.randn(4, dtype=torch.complex64)}
+    with pytest.raises(ValueError, match="fused"):
+        opt.update({"z": torch.randn(4, dtype=torch.complex64)}, opt.init(params), params)

@@ -2,7 +2,7 @@
 # The GPU checks of docs/gpu.md in one command, for a machine with one CUDA GPU whose python3
 # has torch, transformers, safetensors, einops, pytest and hypothesis (optree may come as a
 # wheel in .whl/). Logs and results go to $OUT (default ./gpu-out).
-#   bash tools/gpu_check.sh [tests] [bench] [offload]
+#   bash tools/gpu_check.sh [tests] [bench]     (TESTS=-k expression, ARMS=comma list: benchmarks/gpu.py)
 set -u
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -14,8 +14,7 @@ python3 -c "import torch, transformers; print('torch', torch.__version__, 'trans
 what=${*:-tests bench}
 for part in $what; do
   case $part in
-    tests) timeout ${TESTS_S:-150} python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
-    bench) timeout ${BENCH_S:-270} python3 benchmarks/gpu.py --out "$OUT/gpu.json" --calibrate --rounds ${ROUNDS:-3} --steps 3 --arms ${ARMS:-torch,fsdp2,fs,fs-compile} 2>&1 | tee "$OUT/bench.log" | grep -v Warning | tail -30 ;;
-    offload) timeout ${OFFLOAD_S:-200} python3 benchmarks/gpu.py --out "$OUT/offload.json" --rounds 2 --steps 3 --arms fs,fs-offload 2>&1 | tee "$OUT/offload.log" | tail -12 ;;
+    tests) timeout ${TESTS_S:-150} python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py ${TESTS:+-k "$TESTS"} 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
+    bench) timeout ${BENCH_S:-270} python3 benchmarks/gpu.py --out "$OUT/gpu.json" --calibrate --rounds ${ROUNDS:-3} --steps 3 --arms ${ARMS:-torch,fsdp2,fs,fs-fused,fs-compile} 2>&1 | tee "$OUT/bench.log" | grep -v Warning | tail -30 ;;
   esac
 done

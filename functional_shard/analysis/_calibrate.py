@@ -115,6 +115,8 @@ def _pool(numel: int, device, pool_bytes: int) -> list[tuple[torch.Tensor, torch
     `pool_bytes`: cycling through them keeps the inputs out of the caches, as most of a step's
     are. The mask is made here: it is an input of the step's `where`, not part of its work."""
     count = max(2, pool_bytes // (4 * numel))
+    if torch.device(device).type == "cuda":  # small operations there are bound by their launch
+        count = min(count, 4096)
     tensors = [torch.randn(numel, device=device) for _ in range(count)]
     return [(x, y, _aten.gt.Scalar(y, 0.0)) for x, y in zip(tensors, tensors[1:] + tensors[:1])]
 
@@ -195,7 +197,11 @@ def calibrate(mesh, *, path: str | None = None, name: str | None = None, quick: 
         seconds = _median_seconds(lambda: _aten.add.Tensor(x, x), 3 if quick else 7, device)
         bandwidth.append((12.0 * numel, 12.0 * numel / seconds))
     op_sizes = (1_000, 100_000, 1_000_000) if quick else (100, 1_000, 10_000, 100_000, 1_000_000, 4_000_000)
-    op_seconds = _op_seconds(mesh, device, op_sizes, min_loop_s, (8 if quick else 64) << 20)
+    cold_pool = (8 if quick else 64) << 20
+    if gpu:  # a step's activations run to tens of millions of elements; a GPU's L2 holds 50-60 MB
+        op_sizes = (1_000, 1_000_000, 16_000_000) if quick else (1_000, 100_000, 1_000_000, 4_000_000, 16_000_000, 64_000_000)
+        cold_pool = 1 << 30
+    op_seconds = _op_seconds(mesh, device, op_sizes, min_loop_s, cold_pool)
     op_seconds_hot = _op_seconds(mesh, device, op_sizes, min_loop_s, 0)
 
     latency, bus = {}, {}
@@ -233,6 +239,7 @@ def calibrate(mesh, *, path: str | None = None, name: str | None = None, quick: 
         cache_bytes=_cache_share(mesh, device),
         matmul_dtype_scale={name: _mean(mesh, value) for name, value in dtype_scale.items()},
         attention_flops=_mean(mesh, attention) if attention else 0.0,
+        op_curves_by_bytes=gpu,
     )
     if path is not None and mesh.rank == 0:
         machine.save(path)

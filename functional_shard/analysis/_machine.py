@@ -49,6 +49,9 @@ def _interpolate_seconds(points: tuple, x: float) -> float:
     return _interpolate(points, x, log_values=True)
 
 
+_ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4, "bool": 1, "uint8": 1, "int8": 1}
+
+
 @dataclasses.dataclass(frozen=True)
 class Machine:
     """What one rank's device and its links do per second.
@@ -92,6 +95,10 @@ class Machine:
         allocator_overhead: what the CUDA caching allocator reserves beyond the bytes alive at
             the peak, as a fraction of them (`Simulation.reserved`): fragmentation of its
             segments and the rounding of blocks.
+        op_curves_by_bytes: the `op_seconds` curves were measured on float32 and their time
+            follows the bytes moved (a GPU's kernels are bound by its memory): an operation on
+            `n` elements of a 2-byte dtype is read at `n / 2` (`calibrate` sets it on a GPU).
+            False (a CPU's): the curves are read at the element count whatever the dtype.
     """
 
     name: str
@@ -114,6 +121,7 @@ class Machine:
     matmul_dtype_scale: dict = dataclasses.field(default_factory=dict)
     attention_flops: float = 0.0
     allocator_overhead: float = 0.0
+    op_curves_by_bytes: bool = False
 
     def __post_init__(self) -> None:
         for field in ("op_seconds", "op_seconds_hot"):
@@ -161,6 +169,8 @@ class Machine:
         if view:
             return self.view_overhead_s
         if not flops and kind in self.op_seconds:
+            if self.op_curves_by_bytes and dtype in _ITEMSIZE:
+                numel = numel * _ITEMSIZE[dtype] // 4
             cold = _interpolate_seconds(self.op_seconds[kind], max(numel, 1))
             if cached <= 0.0 or kind not in self.op_seconds_hot:
                 return cold
