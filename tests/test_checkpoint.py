@@ -468,3 +468,37 @@ def test_rank_killed_during_save_leaves_previous_checkpoint(local_world, fresh_w
         assert "rank-00001.safetensors" in message and "COMMIT" in message, message
     assert partial in errors["bad"], errors["bad"]
     shutil.rmtree(tmp_path / partial)
+
+
+def load_from_another_device(mesh, path: str):
+    """A checkpoint whose index says it was saved from CUDA tensors, loaded onto this CPU mesh:
+    refused naming both devices (template untouched), then loaded with `across_devices=True`."""
+    step, params = make_step(mesh, trace=False)
+    state = train(step, step.init(params), mesh, range(2))
+    fs.checkpoint.save(path, state)
+    if mesh.rank == 0:  # what a save on a CUDA mesh writes
+        index_path = os.path.join(path, checkpoint_files.INDEX)
+        with open(index_path) as f:
+            index = json.load(f)
+        assert index["saved_by"]["device"] == "cpu"
+        index["saved_by"]["device"] = "cuda"
+        with open(index_path, "w") as f:
+            json.dump(index, f)
+    mesh.all_reduce_flat(torch.zeros(1))  # rank 0 has rewritten it
+    template = step.init(params)
+    before = rank_tensors(template)
+    try:
+        fs.checkpoint.load(path, template)
+        message = None
+    except CheckpointError as error:
+        message = str(error)
+    untouched = all(torch.equal(a, b) for a, b in zip(before, rank_tensors(template)))
+    loaded = fs.checkpoint.load(path, template, across_devices=True)
+    same = all(torch.equal(a, b) for a, b in zip(rank_tensors(loaded), rank_tensors(state)))
+    return message, untouched, same
+
+
+def test_a_state_from_another_kind_of_device_needs_saying_so(tmp_path):
+    for message, untouched, same in fs.testing.SimulatedWorld(2).run(load_from_another_device, str(tmp_path / "c")):
+        assert message is not None and "cuda" in message and "cpu" in message and "across_devices=True" in message, message
+        assert untouched and same

@@ -10,8 +10,8 @@ there) and leaves it. Deterministic algorithms are on (`torch.use_deterministic_
   plain single-GPU PyTorch; 3 SGD-with-momentum steps within 1e-5 x max|p|; bf16 losses within
   bf16 rounding of plain PyTorch computing in bf16;
 - `compile=True` (inductor) trains to the traced step's losses within 1e-4;
-- a checkpoint saved from CUDA loads onto a CPU (gloo) mesh and back, bit for bit, and export
-  gives the module's own state dict.
+- a checkpoint saved from CUDA loads onto a CPU (gloo) mesh and back, bit for bit, when asked
+  (`across_devices=True`; refused without), and export gives the module's own state dict.
 """
 
 from __future__ import annotations
@@ -216,13 +216,16 @@ def test_checkpoint_between_cuda_and_cpu(tmp_path):
         module, loss = build("gpt")
         apply_fn, params = fs.functionalize(module.cpu())
         step = fs.sharded_step(lambda p, b: loss(lambda x: apply_fn(p, x), b), mesh, optimizer=fs.optim.adamw(1e-3))
-        loaded = fs.checkpoint.load(path, step.init(params))
+        template = step.init(params)
+        with pytest.raises(fs.checkpoint.CheckpointError, match="across_devices=True"):
+            fs.checkpoint.load(path, template)  # a CUDA state onto a CPU mesh: only when asked
+        loaded = fs.checkpoint.load(path, template, across_devices=True)
         on_cpu = [t for t in fs.tree_leaves(loaded) if isinstance(t, torch.Tensor)]
         assert all(t.device.type == "cpu" for t in on_cpu)
         assert all(torch.equal(a, b) for a, b in zip(on_gpu, on_cpu))
         fs.checkpoint.save(tmp_path / "back", loaded)
     with fs.init_mesh({"fsdp": 1}) as mesh:
         step, template = fs_step("gpt", mesh, optimizer=fs.optim.adamw(1e-3))
-        back = fs.checkpoint.load(tmp_path / "back", template)
+        back = fs.checkpoint.load(tmp_path / "back", template, across_devices=True)
         leaves = [t for t in fs.tree_leaves(back) if isinstance(t, torch.Tensor)]
         assert all(torch.equal(a.cpu(), b) for a, b in zip(leaves, on_gpu))

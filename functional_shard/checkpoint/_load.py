@@ -32,7 +32,7 @@ __all__ = ["load", "read"]
 OPERATION = "fs.checkpoint.load"  # the name every rank states on entering (`BaseMesh.agree`)
 
 
-def load(path: str | os.PathLike, template: StepState, *, verify: bool = True) -> StepState:
+def load(path: str | os.PathLike, template: StepState, *, verify: bool = True, across_devices: bool = False) -> StepState:
     """The state saved at `path`, laid out like `template`; every rank calls it.
 
     Arguments:
@@ -43,6 +43,10 @@ def load(path: str | os.PathLike, template: StepState, *, verify: bool = True) -
         verify: check every chunk this rank reads against its CRC-32 (one more pass over the
             bytes read: see docs/checkpoints.md for what it costs). False skips only that: each
             file's header is still checked against the commit marker and the save's identity.
+        across_devices: load a state saved from one kind of device (`cuda`, `cpu`: the saving
+            mesh's) onto a template on another kind: the same bits, now on the template's device.
+            Without it such a load is refused, naming both (a CUDA run's checkpoint read by a
+            CPU job, or the reverse, is more often a wrong path or a wrong machine than a plan).
 
     Returns a new `StepState` of the template's step, holding the saved parameters, optimizer
     state and step number. The checkpoint may come from any world size, mesh (hybrid or not,
@@ -79,6 +83,7 @@ def load(path: str | os.PathLike, template: StepState, *, verify: bool = True) -
     reader, error = None, None
     try:
         reader = ChunkReader(path, open_index(path), verify=verify)
+        _check_device(reader.index, template, path, across_devices)
         slots, structure = optimizer_slots(template.opt_state, template.params.layout)
         expected = entries_of(template.params.layout, slots, step_tensors(template))
     except Exception as e:  # noqa: BLE001 (the other ranks must learn of it)
@@ -96,6 +101,17 @@ def load(path: str | os.PathLike, template: StepState, *, verify: bool = True) -
             reader.__exit__(None, None, None)
     mesh.succeed_together(OPERATION, error, failure)
     return result
+
+
+def _check_device(index: dict, template: StepState, path: str, across_devices: bool) -> None:
+    """Refuse a state saved on one kind of device for a template on another, unless asked."""
+    saved = (index.get("saved_by") or {}).get("device")  # absent before 2026-11-27: any
+    here = getattr(template.params.mesh, "device", torch.device("cpu")).type
+    if saved is not None and saved != here and not across_devices:
+        raise CheckpointError(
+            f"checkpoint {path} holds a state saved from {saved} tensors, and the template's mesh is on {here}: "
+            f"pass across_devices=True to load it onto {here} (the same bits, on the template's device)"
+        )
 
 
 def _covered(reader: ChunkReader, expected: list, mesh: BaseMesh) -> set[str]:

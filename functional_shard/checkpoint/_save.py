@@ -403,6 +403,7 @@ def _index(state: StepState, slots: list[OptimizerSlot], structure: str, plan: S
             "shard_axis": mesh.shard_axis,
             "placements": plan.saved_by["placements"],
             "world_size": mesh.world_size,
+            "device": getattr(mesh, "device", torch.device("cpu")).type,
             "units": plan.saved_by["units"],
             "torch": torch.__version__,
             "functional_shard": functional_shard.__version__,
