@@ -137,14 +137,14 @@ class FlatIO:
 
     def input_kinds(self) -> list[str]:
         """What each graph input holds: "parameters" (shards and local leaves, the state's first
-        part), "optimizer_state" (the rest of the state: optimizer state, loss scale, scalars)
-        or "batch"."""
+        part; with ZeRO-1 the kept full buffers, its fifth), "optimizer_state" (the rest of the
+        state: optimizer state, loss scale, scalars) or "batch"."""
         n_shards, n_state, n_batch = self.counts
         kinds: list[str] = ["parameters"] * n_shards + [""] * n_state + ["batch"] * n_batch
         state = optree.tree_unflatten(self.state_structure, list(range(n_state)))
         for part, child in enumerate(state):
             for index in tree_flatten(child)[0]:
-                kinds[n_shards + index] = "parameters" if part == 0 else "optimizer_state"
+                kinds[n_shards + index] = "parameters" if part in (0, 4) else "optimizer_state"
         return kinds
 
     def output_kinds(self) -> list[str | None]:
@@ -154,7 +154,7 @@ class FlatIO:
         n = self.output_structure.num_leaves
         out = optree.tree_unflatten(self.output_structure, list(range(n)))
         kinds: list[str | None] = [None] * n
-        fields = {"shards": "parameters", "local": "parameters", "opt_state": "optimizer_state", "loss_scale": "optimizer_state"}
+        fields = {"shards": "parameters", "local": "parameters", "opt_state": "optimizer_state", "loss_scale": "optimizer_state", "kept": "parameters"}
         for field, kind in fields.items():
             for index in tree_flatten(getattr(out, field, None))[0]:
                 kinds[index] = kind

@@ -32,7 +32,7 @@ import torch
 from torch._functorch.eager_transforms import _vjp_with_argnums
 
 from . import _canonical, _random, _tracing
-from ._collectives import ReduceScatterFlat
+from ._collectives import ReduceScatterFlat, gather_bytes
 from ._layout import Layout
 from ._mesh import BaseMesh
 from ._pytree import tree_flatten, tree_map, tree_paths, tree_unflatten
@@ -70,6 +70,7 @@ class StepFunction(NamedTuple):
     loss_scale: Any = None  # an fs.LossScale (fp16), or None
     input_dtype: torch.dtype | None = None  # floating batch tensors are cast to it (mixed precision)
     canonical: Any = None  # a `_canonical.Canonical`: the layout-invariant step (chunks as micro-batches)
+    keep: bool = False  # ZeRO-1: every buffer's full parameters are kept whole between steps (`kept`)
 
 
 class Gradients(NamedTuple):
@@ -95,6 +96,7 @@ class StepOutput(NamedTuple):
     grad_norm: torch.Tensor  # 2-norm of the whole mean gradient (before any clipping); not finite: the step may skip
     aux: Any  # loss_fn's aux, or None
     microbatch_losses: tuple = ()  # each micro-batch's loss: where each forward ends
+    kept: Any = None  # ZeRO-1 (`StepFunction.keep`): every buffer's full parameters for the next step
 
 
 class EvalOutput(NamedTuple):
@@ -181,14 +183,26 @@ def _objective(fn: StepFunction, out: Any, scale) -> tuple[torch.Tensor, tuple]:
     return objective, ((*extras, aux) if fn.has_aux else extras)
 
 
-def gradients(fn: StepFunction, layout: Layout, shards, local, batch, loss_scale=None) -> Gradients:
-    """This rank's shard of the mean gradient over ranks (and micro-batches), and the forward's results."""
+def gradients(fn: StepFunction, layout: Layout, shards, local, batch, loss_scale=None, kept=None) -> Gradients:
+    """This rank's shard of the mean gradient over ranks (and micro-batches), and the forward's results.
+
+    `kept` (ZeRO-1): every buffer's full parameters, kept from the last step: the forward reads
+    them instead of gathering, and each micro-batch's gradient is taken with respect to them
+    (`_full_gradients`), then reduce-scattered — per micro-batch and summed into shards
+    (`accumulate="sharded"`, the ops GatherFlat's backward runs) or summed and reduce-scattered
+    once (`"full"`): the bits of the step that gathers."""
     mesh = fn.mesh
     trainable = [k for k, spec in enumerate(layout.buffers) if spec.trainable]
     names = [layout.buffers[k].name for k in trainable]
     scale = loss_scale.scale if loss_scale is not None else None
-    with _tracing.phase("forward"):
-        frozen_leaves = _gather_frozen(layout, shards, mesh)
+    if kept is not None:
+        frozen_leaves = {
+            i: leaf for spec, full in zip(layout.buffers, kept) if not spec.trainable
+            for i, leaf in zip(spec.leaves, layout.unflatten_buffer(spec, full))
+        }  # fmt: skip
+    else:
+        with _tracing.phase("forward"):
+            frozen_leaves = _gather_frozen(layout, shards, mesh)
     # Fresh copies: the forward pass updates module buffers (BatchNorm statistics) in place.
     local = tuple(t.clone() for t in local)
     total: list[torch.Tensor] | None = None
@@ -203,7 +217,12 @@ def gradients(fn: StepFunction, layout: Layout, shards, local, batch, loss_scale
         with _tracing.microbatch(index if fn.microbatches > 1 else None):
             if canon is not None:
                 _random.reseed(canon.first + index, getattr(mesh, "device", torch.device("cpu")))
-            if fn.accumulate == "full":
+            if kept is not None:
+                fulls = [kept[k] for k in trainable]
+                grads, local, extras = _full_gradients(fn, layout, shards, trainable, frozen_leaves, local, micro, scale, seed, fulls)
+                if fn.accumulate != "full":
+                    grads = _reduce_full(layout, trainable, shards, grads, mesh)
+            elif fn.accumulate == "full":
                 grads, local, extras = _full_gradients(fn, layout, shards, trainable, frozen_leaves, local, micro, scale, seed)
             else:
                 grads, extras = _sharded_gradients(fn, layout, shards, trainable, frozen_leaves, local, micro, scale, seed)
@@ -218,7 +237,7 @@ def gradients(fn: StepFunction, layout: Layout, shards, local, batch, loss_scale
     if tree is not None:
         total = _reduce_full(layout, trainable, shards, tree.result(), mesh, canonical=True)
     elif fn.accumulate == "full":
-        total = _reduce_full(layout, trainable, shards, total, mesh)
+        total = _reduce_full(layout, trainable, shards, total, mesh)  # kept or gathered: summed full gradients
     assert total is not None
     if len({w is None for w in weights}) > 1:
         raise StepError("loss_fn returned a WeightedLoss for some micro-batches and a plain loss for others")
@@ -370,13 +389,15 @@ def _no_torch_checkpoint() -> Iterator[None]:
         ) from error
 
 
-def _full_gradients(fn: StepFunction, layout: Layout, shards, trainable, frozen_leaves, local, micro, scale, seed=None):
+def _full_gradients(fn: StepFunction, layout: Layout, shards, trainable, frozen_leaves, local, micro, scale, seed=None, fulls=None):
     """One micro-batch's gradient with respect to the full (gathered) trainable buffers, in each
     buffer's reduce dtype: the "full" accumulation strategy sums these over micro-batches and
-    reduce-scatters the sum once per step (`_reduce_full`)."""
+    reduce-scatters the sum once per step (`_reduce_full`). `fulls`: the full buffers kept
+    from the last step (ZeRO-1), else gathered here."""
     mesh = fn.mesh
-    with _tracing.phase("forward"):
-        fulls = [gather_full(layout.buffers[k], shards[k], mesh, differentiable=False) for k in trainable]
+    if fulls is None:
+        with _tracing.phase("forward"):
+            fulls = [gather_full(layout.buffers[k], shards[k], mesh, differentiable=False) for k in trainable]
 
     def local_loss(fulls, local):
         leaves = dict(frozen_leaves)
@@ -405,11 +426,13 @@ def _reduce_full(layout: Layout, trainable, shards, fulls, mesh, canonical: bool
     return out
 
 
-def update(fn: StepFunction, layout: Layout, shards, local, opt_state, loss_scale, scalars, batch) -> StepOutput:
+def update(fn: StepFunction, layout: Layout, shards, local, opt_state, loss_scale, scalars, batch, kept=None) -> StepOutput:
     """One whole step: gradients, the global gradient norm, the optimizer's update, the mean
     loss. Whether the update is kept is the step's decision, on the host, from the norm
-    (`_nonfinite`); the loss scale backs off here, on the same verdict."""
-    grads, local, loss, mean, aux, microbatch_losses = gradients(fn, layout, shards, local, batch, loss_scale)
+    (`_nonfinite`); the loss scale backs off here, on the same verdict. With `kept` (ZeRO-1:
+    `StepFunction.keep`), the forward reads the kept full buffers and each updated trainable
+    shard is all-gathered once, after the update, for the next step (`gather_kept`)."""
+    grads, local, loss, mean, aux, microbatch_losses = gradients(fn, layout, shards, local, batch, loss_scale, kept)
     trainable = {spec.name: s for spec, s in zip(layout.buffers, shards) if spec.trainable}
     with _tracing.phase("update"):
         # Leaves every rank of the tensor-parallel axis holds whole count once in the norm.
@@ -426,7 +449,26 @@ def update(fn: StepFunction, layout: Layout, shards, local, opt_state, loss_scal
         # own. Not finite exactly when some element of the gradient is not (or the norm overflows).
         loss_scale = fn.loss_scale.next(loss_scale, torch.isfinite(norm))
     new_shards = [new_trainable.get(spec.name, s) for spec, s in zip(layout.buffers, shards)]
-    return StepOutput(new_shards, local, new_opt_state, loss_scale, mean, loss, norm, aux, microbatch_losses)
+    new_kept = None
+    if kept is not None:
+        with _tracing.phase("update"):
+            new_kept = gather_kept(layout, new_shards, fn.mesh, kept)
+    return StepOutput(new_shards, local, new_opt_state, loss_scale, mean, loss, norm, aux, microbatch_losses, new_kept)
+
+
+def gather_kept(layout: Layout, shards, mesh, kept=None) -> list[torch.Tensor]:
+    """ZeRO-1's full buffers: each trainable shard all-gathered in its gather dtype (what the
+    step that gathers computes with); a frozen buffer's from `kept` when given (it never
+    changes). The all-gathers move no parameter for the schedule's passes (no buffer label):
+    they stay after the update, where the computation puts them."""
+    out = []
+    for k, (spec, shard) in enumerate(zip(layout.buffers, shards)):
+        if kept is not None and not spec.trainable:
+            out.append(kept[k])
+            continue
+        cast = shard.contiguous() if spec.gather_dtype == shard.dtype else shard.to(spec.gather_dtype)
+        out.append(gather_bytes(cast, mesh, None))
+    return out
 
 
 def evaluate(fn: StepFunction, layout: Layout, shards, local, batch) -> EvalOutput:

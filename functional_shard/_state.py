@@ -3,6 +3,7 @@ which step made it (and which states it took in place, `donate=True`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from typing import Any
 
@@ -55,9 +56,15 @@ class StepState:
             draws from a generator seeded by `(seed, n, r)` — reproducible, different on every
             rank, and resumed exactly with the state.
         step: number of steps taken (an int).
+        gathered: with `fs.Schedule(reshard_after_update=False)` (ZeRO-1), every buffer's full
+            parameters in its gather dtype, one flat tensor per buffer of the layout, kept from
+            one step to the next; None otherwise. Derived from `params`: `replace(params=...)`
+            without `gathered=` drops it (the next step gathers it again), so that a loaded or
+            edited state never trains on stale full parameters.
 
-    An immutable pytree node (optree and torch): its leaves are those of `params` and
-    `opt_state`; `step` and the step that made it are structure. `replace(**changes)` copies.
+    An immutable pytree node (optree and torch): its leaves are those of `params`,
+    `opt_state`, `loss_scale`, `rng` and `gathered`; `step` and the step that made it are
+    structure. `replace(**changes)` copies.
     It cannot be pickled (its shards are bound to a live mesh): use `fs.checkpoint`.
     """
 
@@ -67,6 +74,13 @@ class StepState:
     rng: torch.Tensor
     step: int = static_field()
     _key: _StepKey = static_field(repr=False)
+    gathered: Any = None
+
+    def replace(self, **changes) -> "StepState":
+        """A copy with `changes`; new `params` without a new `gathered` drop the old one."""
+        if "params" in changes and "gathered" not in changes:
+            changes["gathered"] = None
+        return dataclasses.replace(self, **changes)
 
     def __repr__(self) -> str:
         return f"StepState(step={self.step}, params={self.params!r})"

@@ -81,6 +81,11 @@ class ShardedStep:
         if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
             raise ValueError(f"microbatches must be an int >= 1; got {microbatches!r}")
         canonical = _canonical.resolve(canonical_chunks, mesh, microbatches)  # ValueError: not invariant here
+        if canonical is not None and not schedule.reshard_after_update:
+            raise ValueError(
+                "Schedule(reshard_after_update=False) (ZeRO-1) and canonical_chunks cannot be combined: the "
+                "layout-invariant step reduces in its own tree; use one or the other"
+            )
         microbatches = canonical.per_rank if canonical is not None else microbatches
         loss_scale = precision.loss_scale if precision is not None else None
         if loss_scale is not None and donate:
@@ -109,6 +114,7 @@ class ShardedStep:
         self._fn = StepFunction(
             loss_fn, mesh, optimizer, has_aux, donate, microbatches,
             "full" if canonical is not None else schedule.accumulate, loss_scale, input_dtype, canonical,
+            not schedule.reshard_after_update,
         )  # fmt: skip
         self._jit = Jit(self._train, "a training step", mesh, schedule, max_traces=max_traces)
         self._eval_jit = Jit(self._evaluate, "step.evaluate", mesh, schedule, max_traces=max_traces)
@@ -196,7 +202,8 @@ class ShardedStep:
                 sharded = shard_leaves(layout, [piece.detach() for piece in pieces], self.mesh)
             opt_state = self.optimizer.init(_trainable(sharded), leaves=LeafLayout.of_shards(layout, self.mesh.shard_index))
         loss_scale = self._fn.loss_scale.init() if self._fn.loss_scale is not None else None
-        return StepState(sharded, opt_state, loss_scale, torch.tensor(seed, dtype=torch.int64), 0, self._key)
+        state = StepState(sharded, opt_state, loss_scale, torch.tensor(seed, dtype=torch.int64), 0, self._key)
+        return state.replace(gathered=self._gathered(state)) if self._fn.keep else state
 
     def init_abstract(self, params: Any) -> StepState:
         """A state whose shards and optimizer state are meta tensors: shapes and dtypes only,
@@ -214,7 +221,11 @@ class ShardedStep:
         sharded = Sharded(layout, self.mesh, shards, local)
         loss_scale = self._fn.loss_scale.init() if self._fn.loss_scale is not None else None
         opt_state = self.optimizer.init(_trainable(sharded), leaves=LeafLayout.of_shards(layout, self.mesh.shard_index))
-        return StepState(sharded, opt_state, loss_scale, torch.tensor(0), 0, self._key)
+        state = StepState(sharded, opt_state, loss_scale, torch.tensor(0), 0, self._key)
+        if self._fn.keep:  # ZeRO-1: the full buffers, as meta tensors
+            dtypes = [spec.gather_dtype for spec in layout.buffers]
+            state = state.replace(gathered=tuple(torch.empty(spec.padded_numel, dtype=d, device="meta") for spec, d in zip(layout.buffers, dtypes)))
+        return state
 
     # --- the step -------------------------------------------------------------------------
 
@@ -247,12 +258,14 @@ class ShardedStep:
             *self._facts, self._optimizer_facts[0], *scalar_facts(scalars), *self._optimizer_facts[1:], *cut
         )
         rest = (sharded.local, state.opt_state, state.loss_scale, scalars)
+        if self._fn.keep:  # ZeRO-1: the full buffers kept from the last step (a loaded state: gathered now)
+            rest = (*rest, state.gathered if state.gathered is not None else self._gathered(state))
         with self._random_stream(state), refused_batch(problem):
             if not self.schedule.trace:
                 agree(self.mesh, "a training step", facts)
                 with torch.no_grad():
                     out = self._train(sharded.layout, sharded.shards, rest, batch)
-                moved = _eager_bytes(sharded.layout, self.microbatches, self._fn.accumulate)
+                moved = _eager_bytes(sharded.layout, self.microbatches, self._fn.accumulate, self._fn.keep)
             else:
                 out, compiled = self._jit.run(sharded.layout, sharded.shards, rest, batch, facts)
                 moved = compiled.all_gather_bytes, compiled.reduce_scatter_bytes
@@ -265,6 +278,8 @@ class ShardedStep:
         params = sharded if skip else sharded.replace(shards=out.shards, local=out.local)
         opt_state = state.opt_state if skip else out.opt_state
         new_state = StepState(params, opt_state, out.loss_scale, state.rng, state.step + 1, self._key)
+        if self._fn.keep:
+            new_state = new_state.replace(gathered=rest[-1] if skip else tuple(out.kept))
         metrics = self._metrics(out.mean_loss, out.loss, out.aux, *moved)
         metrics["grad_norm"] = out.grad_norm
         metrics["skipped"] = torch.tensor(skip)
@@ -299,8 +314,15 @@ class ShardedStep:
 
     # What the jit traces (and eager runs): the reference computation with the state unpacked.
     def _train(self, layout: Layout, shards, rest, batch):
-        local, opt_state, loss_scale, scalars = rest
-        return _reference.update(self._fn, layout, shards, local, opt_state, loss_scale, scalars, batch)
+        local, opt_state, loss_scale, scalars, *kept = rest
+        return _reference.update(self._fn, layout, shards, local, opt_state, loss_scale, scalars, batch, *kept)
+
+    def _gathered(self, state: StepState) -> tuple:
+        """ZeRO-1's full buffers of `state`'s shards (a collective, eager): after `init`, or for
+        a state that has none (loaded from a checkpoint)."""
+        self.mesh.agree("ZeRO-1: gather the full parameters")
+        with torch.no_grad():
+            return tuple(_reference.gather_kept(state.params.layout, state.params.shards, self.mesh))
 
     def _evaluate(self, layout: Layout, shards, rest, batch):
         return _reference.evaluate(self._fn, layout, shards, rest[0], batch)
@@ -416,13 +438,15 @@ class ShardedStep:
         return jit.last
 
 
-def _eager_bytes(layout: Layout, microbatches: int = 1, accumulate: str = "sharded") -> tuple[int, int]:
+def _eager_bytes(layout: Layout, microbatches: int = 1, accumulate: str = "sharded", keep: bool = False) -> tuple[int, int]:
     """Bytes the eager reference moves: frozen buffers gathered once, trainable ones once per
-    micro-batch, reduce-scattered once per micro-batch ("sharded") or once ("full")."""
+    micro-batch (ZeRO-1, `keep`: trainable ones once, after the update, and frozen ones never),
+    reduce-scattered once per micro-batch ("sharded") or once ("full")."""
     frozen = sum(b.nbytes for b in layout.buffers if not b.trainable)
     trainable = sum(b.nbytes for b in layout.buffers if b.trainable)
     scattered = sum(b.reduce_nbytes for b in layout.buffers if b.trainable)
-    return frozen + microbatches * trainable, scattered * (microbatches if accumulate == "sharded" else 1)
+    gathered = trainable if keep else frozen + microbatches * trainable
+    return gathered, scattered * (microbatches if accumulate == "sharded" else 1)
 
 
 def _trainable(sharded: Sharded) -> dict[str, torch.Tensor]:

@@ -129,6 +129,16 @@ class Schedule:
             bits; its measured effect on time is within noise (0.96-1.02x), and one CI run
             with it on crashed in a benchmark rank with a heap corruption that could not be
             reproduced or traced to it, so it stays opt-in. Not with `compile=True`.
+        reshard_after_update: True (default) keeps only shards between steps (ZeRO-3: every
+            unit is gathered in the step). False is ZeRO-1: every rank keeps every buffer's full
+            parameters (in their gather dtype: the bf16 copies under mixed precision) from one
+            step to the next (`StepState.gathered`), the optimizer state and the master shards
+            stay sharded, gradients are reduce-scattered, and each updated shard is all-gathered
+            once, right after the update: one all-gather per step, of the trainable buffers'
+            full bytes (Ψ × the gather dtype's size, plus padding), none in the forward or the
+            backward. Same bits as True with the same `accumulate`. Memory: the full
+            parameters stay alive between steps. Eager and traced; not with
+            `canonical_chunks` or a pipeline.
     """
 
     trace: bool = True
@@ -144,8 +154,11 @@ class Schedule:
     remat: bool | tuple[str, ...] | Callable[[str], bool] | RematPolicy = False
     gradients_in_place: bool = False
     reshard_after_backward: bool = True
+    reshard_after_update: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.reshard_after_update, bool):
+            raise ValueError(f"Schedule.reshard_after_update must be a bool; got {self.reshard_after_update!r}")
         if not isinstance(self.reshard_after_backward, bool):
             raise ValueError(f"Schedule.reshard_after_backward must be a bool; got {self.reshard_after_backward!r}")
         if not self.reshard_after_backward and self.reshard_after_forward is not False:
