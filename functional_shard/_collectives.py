@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from ._mesh import BaseMesh
+from ._offload import to_device, to_host
 from ._tracing import carried, moving
 
 __all__ = ["GatherFlat", "ReduceScatterFlat", "AllReduceFlat", "gather_bytes"]
@@ -40,13 +41,18 @@ class GatherFlat(torch.autograd.Function):
             all-gather moves the cast bytes); None: no cast.
         reduce_dtype: cast the incoming gradient to this dtype before reduce-scattering it;
             the reduced shard is cast back to `shard`'s dtype. None: the gradient's dtype.
+        device: CPU offload: `shard` is in host memory; it is copied to `device` (in
+            `gather_dtype`: one `offload_copy` node in place of the cast) before the gather,
+            and the reduced gradient shard is copied back to the host (in `shard`'s dtype).
 
     Returns `[num_shards * shard_numel]`: every rank's slice, in shard order, on every rank.
     """
 
     @staticmethod
-    def forward(shard: torch.Tensor, mesh: BaseMesh, buffer=None, gather_dtype=None, reduce_dtype=None) -> torch.Tensor:
-        if gather_dtype is not None and gather_dtype != shard.dtype:
+    def forward(shard: torch.Tensor, mesh: BaseMesh, buffer=None, gather_dtype=None, reduce_dtype=None, device=None) -> torch.Tensor:
+        if device is not None:
+            shard = to_device(shard, device, gather_dtype)
+        elif gather_dtype is not None and gather_dtype != shard.dtype:
             shard = shard.to(gather_dtype)
         with moving(buffer):
             return mesh.all_gather_flat(shard)
@@ -56,6 +62,7 @@ class GatherFlat(torch.autograd.Function):
         ctx.mesh = inputs[1]
         ctx.buffer = inputs[2] if len(inputs) > 2 else None
         ctx.reduce_dtype = inputs[4] if len(inputs) > 4 else None
+        ctx.offloaded = len(inputs) > 5 and inputs[5] is not None
         ctx.shard_dtype = inputs[0].dtype
 
     @staticmethod
@@ -63,9 +70,11 @@ class GatherFlat(torch.autograd.Function):
         if ctx.reduce_dtype is not None and ctx.reduce_dtype != grad_full.dtype:
             grad_full = grad_full.to(ctx.reduce_dtype)
         grad = ReduceScatterFlat.apply(grad_full.contiguous(), ctx.mesh, ctx.buffer)
-        if grad.dtype != ctx.shard_dtype:
+        if ctx.offloaded:  # back to the host as soon as it is reduced, in the shard's dtype
+            grad = to_host(grad, ctx.shard_dtype)
+        elif grad.dtype != ctx.shard_dtype:
             grad = grad.to(ctx.shard_dtype)
-        return grad, None, None, None, None
+        return grad, None, None, None, None, None
 
 
 @carried

@@ -28,6 +28,7 @@ import os
 import traceback
 from typing import Any, Callable, Iterator, NamedTuple
 
+import optree
 import torch
 from torch._functorch.eager_transforms import _vjp_with_argnums
 
@@ -35,7 +36,8 @@ from . import _canonical, _random, _tracing
 from ._collectives import ReduceScatterFlat, gather_bytes
 from ._layout import Layout
 from ._mesh import BaseMesh
-from ._pytree import tree_flatten, tree_map, tree_paths, tree_unflatten
+from ._offload import to_device, to_host
+from ._pytree import NAMESPACE, tree_flatten, tree_map, tree_paths, tree_unflatten
 from ._shard import gather_buffer, gather_full
 from ._losses import StepError, WeightedLoss, check_loss, split_loss
 from .optim import LeafLayout, global_norm
@@ -71,6 +73,7 @@ class StepFunction(NamedTuple):
     input_dtype: torch.dtype | None = None  # floating batch tensors are cast to it (mixed precision)
     canonical: Any = None  # a `_canonical.Canonical`: the layout-invariant step (chunks as micro-batches)
     keep: bool = False  # ZeRO-1: every buffer's full parameters are kept whole between steps (`kept`)
+    offload: Any = None  # an `fs.schedule.Offload`: its units' shards and optimizer state live on the host
 
 
 class Gradients(NamedTuple):
@@ -150,12 +153,19 @@ def split_microbatches(batch: Any, k: int, dtype: torch.dtype | None = None, can
     return [tree_unflatten(structure, [p[i] for p in parts]) for i in range(k)]
 
 
-def _gather_frozen(layout: Layout, shards, mesh) -> dict[int, torch.Tensor]:
+def _gather_frozen(layout: Layout, shards, mesh, fn: StepFunction | None = None) -> dict[int, torch.Tensor]:
     leaves: dict[int, torch.Tensor] = {}
     for spec, s in zip(layout.buffers, shards):
         if not spec.trainable:
-            leaves.update(zip(spec.leaves, gather_buffer(layout, spec, s, mesh, differentiable=False)))
+            leaves.update(zip(spec.leaves, gather_buffer(layout, spec, s, mesh, differentiable=False, device=offloaded(fn, spec))))
     return leaves
+
+
+def offloaded(fn: StepFunction | None, spec) -> torch.device | None:
+    """The compute device a CPU-offloaded buffer's shard is copied to, or None (not offloaded)."""
+    if fn is None or fn.offload is None or not fn.offload.selects(spec.unit):
+        return None
+    return getattr(fn.mesh, "device", torch.device("cpu"))
 
 
 def _objective(fn: StepFunction, out: Any, scale) -> tuple[torch.Tensor, tuple]:
@@ -202,7 +212,7 @@ def gradients(fn: StepFunction, layout: Layout, shards, local, batch, loss_scale
         }  # fmt: skip
     else:
         with _tracing.phase("forward"):
-            frozen_leaves = _gather_frozen(layout, shards, mesh)
+            frozen_leaves = _gather_frozen(layout, shards, mesh, fn)
     # Fresh copies: the forward pass updates module buffers (BatchNorm statistics) in place.
     local = tuple(t.clone() for t in local)
     total: list[torch.Tensor] | None = None
@@ -238,6 +248,8 @@ def gradients(fn: StepFunction, layout: Layout, shards, local, batch, loss_scale
         total = _reduce_full(layout, trainable, shards, tree.result(), mesh, canonical=True)
     elif fn.accumulate == "full":
         total = _reduce_full(layout, trainable, shards, total, mesh)  # kept or gathered: summed full gradients
+        if fn.offload is not None:  # reduced once: to the host, as the per-micro-batch ones go
+            total = [to_host(g) if offloaded(fn, layout.buffers[k]) else g for k, g in zip(trainable, total)]
     assert total is not None
     if len({w is None for w in weights}) > 1:
         raise StepError("loss_fn returned a WeightedLoss for some micro-batches and a plain loss for others")
@@ -313,7 +325,7 @@ def _sharded_gradients(fn: StepFunction, layout: Layout, shards, trainable, froz
         with _tracing.phase("forward"):
             for k, s in zip(trainable, trainable_shards):
                 spec = layout.buffers[k]
-                leaves.update(zip(spec.leaves, gather_buffer(layout, spec, s, mesh, differentiable=True, alias=True)))
+                leaves.update(zip(spec.leaves, gather_buffer(layout, spec, s, mesh, differentiable=True, alias=True, device=offloaded(fn, spec))))
             with _tracing.graph_semantics():
                 out = fn.loss_fn(layout.assemble(leaves, local), micro)
         return _objective(fn, out, scale)
@@ -397,7 +409,7 @@ def _full_gradients(fn: StepFunction, layout: Layout, shards, trainable, frozen_
     mesh = fn.mesh
     if fulls is None:
         with _tracing.phase("forward"):
-            fulls = [gather_full(layout.buffers[k], shards[k], mesh, differentiable=False) for k in trainable]
+            fulls = [gather_full(layout.buffers[k], shards[k], mesh, differentiable=False, device=offloaded(fn, layout.buffers[k])) for k in trainable]
 
     def local_loss(fulls, local):
         leaves = dict(frozen_leaves)
@@ -434,6 +446,12 @@ def update(fn: StepFunction, layout: Layout, shards, local, opt_state, loss_scal
     shard is all-gathered once, after the update, for the next step (`gather_kept`)."""
     grads, local, loss, mean, aux, microbatch_losses = gradients(fn, layout, shards, local, batch, loss_scale, kept)
     trainable = {spec.name: s for spec, s in zip(layout.buffers, shards) if spec.trainable}
+    streamed = _streamed(fn, layout)
+    if streamed:  # CPU offload, update on the device: its inputs copied there (`stream_offload_copies` places them)
+        device = getattr(fn.mesh, "device", torch.device("cpu"))
+        grads = {name: to_device(g, device) if name in streamed else g for name, g in grads.items()}
+        trainable = {name: to_device(s, device) if name in streamed else s for name, s in trainable.items()}
+        opt_state = _map_buffers(opt_state, streamed, lambda t: to_device(t, device))
     with _tracing.phase("update"):
         # Leaves every rank of the tensor-parallel axis holds whole count once in the norm.
         whole = layout.replicated_buffers  # a property that walks the buffers: read it once
@@ -448,12 +466,30 @@ def update(fn: StepFunction, layout: Layout, shards, local, opt_state, loss_scal
         # The norm is all-reduced: every rank reads the same verdict, with no collective of its
         # own. Not finite exactly when some element of the gradient is not (or the norm overflows).
         loss_scale = fn.loss_scale.next(loss_scale, torch.isfinite(norm))
+    if streamed:  # ... and its results back to the host
+        new_trainable = {name: to_host(s) if name in streamed else s for name, s in new_trainable.items()}
+        new_opt_state = _map_buffers(new_opt_state, streamed, to_host)
     new_shards = [new_trainable.get(spec.name, s) for spec, s in zip(layout.buffers, shards)]
     new_kept = None
     if kept is not None:
         with _tracing.phase("update"):
             new_kept = gather_kept(layout, new_shards, fn.mesh, kept)
     return StepOutput(new_shards, local, new_opt_state, loss_scale, mean, loss, norm, aux, microbatch_losses, new_kept)
+
+
+def _streamed(fn: StepFunction, layout: Layout) -> frozenset[str]:
+    """The trainable buffers whose update runs on the device although they live on the host."""
+    if fn.offload is None or fn.offload.update != "device":
+        return frozenset()
+    return frozenset(spec.name for spec in layout.buffers if spec.trainable and offloaded(fn, spec) is not None)
+
+
+def _map_buffers(opt_state, names: frozenset[str], fn) -> Any:
+    """`opt_state` with `fn` applied to its per-buffer tensors of the buffers `names` (the
+    optimizer state's parameter-like parts are dicts `buffer name -> shard`)."""
+    paths, leaves, structure = optree.tree_flatten_with_path(opt_state, none_is_leaf=False, namespace=NAMESPACE)
+    mapped = [fn(leaf) if path and path[-1] in names and isinstance(leaf, torch.Tensor) else leaf for path, leaf in zip(paths, leaves)]
+    return optree.tree_unflatten(structure, mapped)
 
 
 def gather_kept(layout: Layout, shards, mesh, kept=None) -> list[torch.Tensor]:
@@ -475,10 +511,10 @@ def evaluate(fn: StepFunction, layout: Layout, shards, local, batch) -> EvalOutp
     """The forward pass only: every buffer gathered (no gradient), the loss, the mean loss."""
     mesh = fn.mesh
     with _tracing.phase("forward"):
-        leaves = dict(_gather_frozen(layout, shards, mesh))
+        leaves = dict(_gather_frozen(layout, shards, mesh, fn))
         for spec, s in zip(layout.buffers, shards):
             if spec.trainable:
-                leaves.update(zip(spec.leaves, gather_buffer(layout, spec, s, mesh, differentiable=False)))
+                leaves.update(zip(spec.leaves, gather_buffer(layout, spec, s, mesh, differentiable=False, device=offloaded(fn, spec))))
         local = tuple(t.clone() for t in local)
         if fn.canonical is not None:
             return _evaluate_chunks(fn, layout, leaves, local, batch)

@@ -19,6 +19,7 @@ import torch
 from ._collectives import AllReduceFlat, GatherFlat, ReduceScatterFlat, gather_bytes
 from ._layout import BufferSpec, Layout, LayoutError, make_layout
 from ._mesh import BaseMesh
+from ._offload import to_device
 from ._pytree import pytree_dataclass, static_field, tree_flatten
 from ._placed import place, resolve_placements
 from ._units import Units
@@ -127,7 +128,8 @@ def gather(sharded: Sharded, *, full: bool = False) -> Any:
 
 
 def gather_buffer(
-    layout: Layout, spec: BufferSpec, shard: torch.Tensor, mesh: BaseMesh, *, differentiable: bool, alias: bool = False
+    layout: Layout, spec: BufferSpec, shard: torch.Tensor, mesh: BaseMesh, *, differentiable: bool, alias: bool = False,
+    device=None,
 ) -> list[torch.Tensor]:
     """All-gather one flat buffer and return its leaves (views of the full buffer, in `spec.leaves` order).
 
@@ -146,13 +148,20 @@ def gather_buffer(
     The buffer is gathered in `spec.gather_dtype` (mixed precision), its gradient reduced in
     `spec.reduce_dtype`.
     """
-    return layout.unflatten_buffer(spec, gather_full(spec, shard, mesh, differentiable=differentiable, alias=alias))
+    return layout.unflatten_buffer(spec, gather_full(spec, shard, mesh, differentiable=differentiable, alias=alias, device=device))
 
 
-def gather_full(spec: BufferSpec, shard: torch.Tensor, mesh: BaseMesh, *, differentiable: bool, alias: bool = False) -> torch.Tensor:
+def gather_full(
+    spec: BufferSpec, shard: torch.Tensor, mesh: BaseMesh, *, differentiable: bool, alias: bool = False, device=None
+) -> torch.Tensor:
     """All-gather one flat buffer in `spec.gather_dtype`: `[spec.padded_numel]` on every rank
-    (see `gather_buffer`, which returns its leaves, and says what `alias` does)."""
+    (see `gather_buffer`, which returns its leaves, and says what `alias` does). `device`: the
+    shard is in host memory (CPU offload) and is copied there first, cast on the way."""
     shard = shard.contiguous()
+    if device is not None:
+        if differentiable:
+            return GatherFlat.apply(shard, mesh, spec, spec.gather_dtype, spec.reduce_dtype, device)
+        return gather_bytes(to_device(shard.detach(), device, spec.gather_dtype), mesh, spec)
     if alias and mesh.shard_axis is None and not mesh.replicate_axes and spec.gather_dtype == spec.reduce_dtype == shard.dtype:
         return shard  # GatherFlat would copy it, and its backward copy the gradient: both the identity
     if differentiable:

@@ -23,6 +23,7 @@ from ._checks import (
     batch_facts, broadcast_from_rank0, check_leaves, check_same_values, optimizer_facts, refused_batch, scalar_facts,
     step_facts,
 )
+from ._offload import place_on_host
 from ._reference import StepError, StepFunction
 from .initialize import shard_from
 from ._nonfinite import NonFinite
@@ -81,6 +82,11 @@ class ShardedStep:
         if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
             raise ValueError(f"microbatches must be an int >= 1; got {microbatches!r}")
         canonical = _canonical.resolve(canonical_chunks, mesh, microbatches)  # ValueError: not invariant here
+        if canonical is not None and schedule.offload is not None:
+            raise ValueError(
+                "Schedule(offload=...) and canonical_chunks cannot be combined yet: the layout-invariant step's "
+                "canonical reduction runs on the device; use one or the other"
+            )
         if canonical is not None and not schedule.reshard_after_update:
             raise ValueError(
                 "Schedule(reshard_after_update=False) (ZeRO-1) and canonical_chunks cannot be combined: the "
@@ -114,7 +120,7 @@ class ShardedStep:
         self._fn = StepFunction(
             loss_fn, mesh, optimizer, has_aux, donate, microbatches,
             "full" if canonical is not None else schedule.accumulate, loss_scale, input_dtype, canonical,
-            not schedule.reshard_after_update,
+            not schedule.reshard_after_update, schedule.offload,
         )  # fmt: skip
         self._jit = Jit(self._train, "a training step", mesh, schedule, max_traces=max_traces)
         self._eval_jit = Jit(self._evaluate, "step.evaluate", mesh, schedule, max_traces=max_traces)
@@ -203,6 +209,8 @@ class ShardedStep:
             opt_state = self.optimizer.init(_trainable(sharded), leaves=LeafLayout.of_shards(layout, self.mesh.shard_index))
         loss_scale = self._fn.loss_scale.init() if self._fn.loss_scale is not None else None
         state = StepState(sharded, opt_state, loss_scale, torch.tensor(seed, dtype=torch.int64), 0, self._key)
+        if self.schedule.offload is not None:
+            state = self._to_host(state)
         return state.replace(gathered=self._gathered(state)) if self._fn.keep else state
 
     def init_abstract(self, params: Any) -> StepState:
@@ -316,6 +324,15 @@ class ShardedStep:
     def _train(self, layout: Layout, shards, rest, batch):
         local, opt_state, loss_scale, scalars, *kept = rest
         return _reference.update(self._fn, layout, shards, local, opt_state, loss_scale, scalars, batch, *kept)
+
+    def _to_host(self, state: StepState) -> StepState:
+        """CPU offload: the offloaded units' shards and optimizer state moved to host memory."""
+        layout = state.params.layout
+        chosen = [self.schedule.offload.selects(spec.unit) for spec in layout.buffers]
+        shards = [place_on_host(s) if c else s for s, c in zip(state.params.shards, chosen)]
+        names = frozenset(spec.name for spec, c in zip(layout.buffers, chosen) if c and spec.trainable)
+        opt_state = _reference._map_buffers(state.opt_state, names, place_on_host)
+        return state.replace(params=state.params.replace(shards=shards), opt_state=opt_state)
 
     def _gathered(self, state: StepState) -> tuple:
         """ZeRO-1's full buffers of `state`'s shards (a collective, eager): after `init`, or for

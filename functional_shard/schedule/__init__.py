@@ -66,6 +66,9 @@ from ._remat import SAVE_DOTS as SAVE_DOTS
 from ._remat import RematPolicy as RematPolicy
 from ._remat import rematerialize as rematerialize
 from ._update import early_update as early_update
+from ._offload import Offload as Offload
+from ._offload import offload_copies as offload_copies
+from ._offload import stream_offload_copies as stream_offload_copies
 from ._schedule import Schedule as Schedule
 from ._schedule import apply_schedule as apply_schedule
 from ._schedule import default_passes as default_passes
@@ -90,6 +93,8 @@ __all__ = [
     "RematPolicy",
     "SAVE_DOTS",
     "early_update",
+    "Offload",
+    "stream_offload_copies",
     # graph tools
     "CollectiveTag",
     "Member",
@@ -104,6 +109,7 @@ __all__ = [
     "uses",
     "move_before",
     "move_early",
+    "offload_copies",
     # analysis
     "ScheduleEvent",
     "analyze",

@@ -263,16 +263,24 @@ def _is_cheap(node: fx.Node) -> bool:
 
 def pre_collective_cast(issue: fx.Node) -> fx.Node | None:
     """The dtype cast a collective moves, when its input is one (mixed precision casts a
-    shard to the gather dtype before the all-gather) made from the step's inputs alone: it can
-    be recomputed anywhere, and read by this collective only it should sit right before it."""
+    shard to the gather dtype before the all-gather; CPU offload copies the shard to the device,
+    `_is_copy_to_device`) made from the step's inputs alone: it can be recomputed anywhere, and
+    read by this collective only it should sit right before it."""
     source = issue.args[0] if issue.args else None
     if (
         isinstance(source, fx.Node)
-        and source.target is torch.ops.aten._to_copy.default
+        and (source.target is torch.ops.aten._to_copy.default or _is_copy_to_device(source))
         and all(i.op == "placeholder" for i in source.all_input_nodes)
     ):
         return source
     return None
+
+
+def _is_copy_to_device(node: fx.Node) -> bool:
+    """A CPU-offloaded shard's copy to the device (in its gather dtype: the cast and the copy
+    in one `functional_shard::offload_copy` node), which moves with its all-gather as a cast does."""
+    op = getattr(getattr(torch.ops, "functional_shard", None), "offload_copy", None)
+    return op is not None and node.target is op.default and not node.args[2]
 
 
 def preparation(issue: fx.Node) -> fx.Node:

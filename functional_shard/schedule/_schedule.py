@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from torch import fx
 
@@ -13,6 +13,7 @@ from ._context import Pass, PassContext, as_pass
 from ._buckets import bucket_gathers
 from ._graph import fill_values
 from ._microbatches import gather_once
+from ._offload import Offload, stream_offload_copies
 from ._passes import _FrozenMapping
 from ._remat import RematPolicy, rematerialize, remat_value
 from ._update import early_update
@@ -28,6 +29,7 @@ def default_passes(
     extra_passes: Sequence = (),
     remat=False,
     reshard_after_backward: bool = True,
+    offload=None,
 ) -> tuple[Pass, ...]:
     """The pass list `Schedule(...)` expands to, in order:
 
@@ -36,6 +38,7 @@ def default_passes(
         reshard_after_forward(reshard_after_forward, default=default_reshard),
         prefetch(prefetch),
         early_reduce_scatter(in_flight=reduce_scatters_in_flight),
+        stream_offload_copies(),             # only with offload
         bucket_gathers(bucket_bytes),        # only when bucket_bytes > 0
         *extra_passes,                       # plain functions gm -> gm are wrapped
         limit_in_flight(),                   # the mesh's max_collectives_in_flight
@@ -55,6 +58,8 @@ def default_passes(
         _passes.prefetch(prefetch),
         _passes.early_reduce_scatter(in_flight=reduce_scatters_in_flight),
     ]
+    if offload is not None:
+        passes.append(stream_offload_copies())
     if bucket_bytes:
         passes.append(bucket_gathers(bucket_bytes))
     return (*passes, *(as_pass(p) for p in extra_passes), _passes.limit_in_flight(), early_update())
@@ -139,6 +144,16 @@ class Schedule:
             backward. Same bits as True with the same `accumulate`. Memory: the full
             parameters stay alive between steps. Eager and traced; not with
             `canonical_chunks` or a pipeline.
+        offload: CPU offload (`fs.schedule.Offload`; True: every unit, update on the device):
+            the chosen units' parameter shards and optimizer state live in host memory (pinned
+            where there is a GPU) between steps. Each shard is copied to the device with its
+            all-gather (moved ahead with it by `prefetch`), each reduced gradient shard back as
+            it is produced, and with `Offload(update="device")` each buffer's update runs on the
+            device, streamed (`stream_offload_copies`: copied there right before, back right
+            after): the default step's bits. `update="host"` updates on the host's tensors.
+            The copies are `functional_shard::offload_copy` nodes of the graph
+            (`step.explain()`, `fs.analysis`: host and device bytes apart). Eager and traced;
+            not with `reshard_after_update=False`, `canonical_chunks` or a pipeline.
     """
 
     trace: bool = True
@@ -155,8 +170,18 @@ class Schedule:
     gradients_in_place: bool = False
     reshard_after_backward: bool = True
     reshard_after_update: bool = True
+    offload: Any = None
 
     def __post_init__(self) -> None:
+        if self.offload is True:
+            object.__setattr__(self, "offload", Offload())
+        if self.offload is not None and not isinstance(self.offload, Offload):
+            raise ValueError(f"Schedule.offload must be None, True or an fs.schedule.Offload(...); got {self.offload!r}")
+        if self.offload is not None and not self.reshard_after_update:
+            raise ValueError(
+                "Schedule(offload=...) keeps parameters in host memory and reshard_after_update=False (ZeRO-1) keeps "
+                "them whole on the device between steps: choose one"
+            )
         if not isinstance(self.reshard_after_update, bool):
             raise ValueError(f"Schedule.reshard_after_update must be a bool; got {self.reshard_after_update!r}")
         if not isinstance(self.reshard_after_backward, bool):
@@ -216,6 +241,7 @@ class Schedule:
             extra_passes=self.extra_passes,
             remat=self.remat,
             reshard_after_backward=self.reshard_after_backward,
+            offload=self.offload,
         )
 
     def reshards(self, unit: str) -> bool:
@@ -232,6 +258,7 @@ _CONVENIENT_FIELDS = {
     "extra_passes",
     "remat",
     "reshard_after_backward",
+    "offload",
 }
 
 

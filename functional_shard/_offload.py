@@ -1,0 +1,77 @@
+"""CPU offload as copies in the step: parameter shards and optimizer state kept in host memory.
+
+`fs.Schedule(offload=fs.schedule.Offload(...))` (`schedule/_offload.py`: the value and the pass
+that places the copies) keeps the chosen units' parameter shards and their
+optimizer state on the host between steps (pinned where there is a GPU). The step copies them
+to the compute device where it needs them and back, with one operator,
+`functional_shard::offload_copy`, so that the copies are nodes of the traced graph that the
+schedule's passes place and the analyses see:
+
+- forward and backward: each offloaded shard is copied to the device right before its
+  all-gather (`prefetch` moves the copy with the all-gather, so the copy of unit i+1 is issued
+  before unit i computes); the gradient of that copy is the copy back, so each reduced
+  gradient shard goes to the host as soon as its reduce-scatter is waited;
+- the update, `update="device"` (default): each offloaded buffer's gradient shard, parameter
+  shard and optimizer state are copied to the device, updated there, and copied back; the pass
+  `stream_offload_copies` moves every copy to the device right before its first reader and every
+  copy to the host right after its source, so one buffer's state is on the device at a time.
+  The arithmetic is the default step's, on the same device: the same bits.
+- `update="host"`: no copies around the update: the optimizer (and the gradient norm) run on
+  the host's tensors, on the host's kernels (`fs.optim.adamw(fused=True)`: torch's fused CPU
+  AdamW). Fewer transfers; on a GPU the bits are the host kernels', not the device's (on a CPU
+  there is one device and they are the same).
+
+On a machine without a GPU host and device are the same memory, and each copy is a real copy
+(a new buffer): the graph, the bits and the analyses are those of the GPU step.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch.library import custom_op
+
+__all__ = ["offload_copy", "to_device", "to_host", "place_on_host", "OFFLOAD_COPY"]
+
+HOST = torch.device("cpu")
+
+
+@custom_op("functional_shard::offload_copy", mutates_args=())
+def offload_copy(x: torch.Tensor, device: str, to_host: bool, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """A copy of `x` on `device`, in `dtype` if given (a parameter shard copied to the device in
+    its gather dtype, a gradient shard to the host in its shard's dtype: the cast and the copy
+    are one node, which the passes move as they move a cast). A new buffer even where `device`
+    is `x`'s own: on a machine without a GPU host and device are one memory, and the step's
+    copies stay copies. `to_host`: the direction, for the passes and analyses (the device alone
+    cannot say it where both are the CPU). Copies to a GPU are asynchronous from pinned memory;
+    copies to the host wait for the data (the host may read them at once)."""
+    target = torch.device(device)
+    dtype = x.dtype if dtype is None else dtype
+    if target == x.device:
+        return x.to(dtype=dtype, copy=True)
+    return x.to(target, dtype=dtype, non_blocking=(not to_host) and x.is_pinned(), copy=True)
+
+
+@offload_copy.register_fake
+def _(x, device, to_host, dtype=None):
+    return torch.empty_like(x, device=torch.device(device), dtype=x.dtype if dtype is None else dtype)
+
+
+OFFLOAD_COPY = torch.ops.functional_shard.offload_copy.default
+
+
+def to_device(x: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`x` (host memory) copied to the compute `device` (in `dtype`); not differentiable."""
+    return OFFLOAD_COPY(x, str(device), False, dtype)
+
+
+def to_host(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`x` copied to host memory (in `dtype`); not differentiable."""
+    return OFFLOAD_COPY(x, str(HOST), True, dtype)
+
+
+def place_on_host(t: torch.Tensor) -> torch.Tensor:
+    """A host copy of a state tensor, pinned where a GPU can copy from it asynchronously."""
+    host = t.detach().to(HOST, copy=True)
+    return host.pin_memory() if torch.cuda.is_available() and t.device.type == "cuda" else host

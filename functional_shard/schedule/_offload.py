@@ -1,0 +1,116 @@
+"""`Offload` (which units live in host memory between steps, and where their update runs) and
+the pass that streams the step's host <-> device copies (`stream_offload_copies`).
+
+The copies themselves are `functional_shard::offload_copy` nodes (`functional_shard/_offload.py`
+says what the step copies and when); this pass only moves them: a copy to the device right
+before its first reader (the copies that feed an all-gather then move with it, `prefetch`), a
+copy to the host right after the value it copies, so that the device holds a buffer's copy from
+its first use to its last and no longer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch
+from torch import fx
+
+from ._context import Pass, PassContext
+from ._graph import _is_view, _schema
+from ._remat import written_inputs
+
+__all__ = ["Offload", "stream_offload_copies", "offload_copies"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Offload:
+    """Which units live on the host between steps, and where their update runs.
+
+    Attributes:
+        units: True (default) for every unit, a tuple of unit names, or a function
+            `unit -> bool`: those units' parameter shards (trainable and frozen) and optimizer
+            state are kept in host memory; their gradient shards go there as they are reduced.
+        update: "device" (default): each buffer's update runs on the compute device, streamed
+            (copied there, updated, copied back): the default step's bits. "host": on the host,
+            where the tensors are (fewer transfers, the host's kernels).
+    """
+
+    units: bool | tuple[str, ...] | Callable[[str], bool] = True
+    update: str = "device"
+
+    def __post_init__(self) -> None:
+        if self.update not in ("device", "host"):
+            raise ValueError(f"Offload.update must be 'device' or 'host'; got {self.update!r}")
+        if isinstance(self.units, list):
+            object.__setattr__(self, "units", tuple(self.units))
+        if not (isinstance(self.units, (bool, tuple)) or callable(self.units)):
+            raise ValueError(f"Offload.units must be True, a tuple of unit names or a function unit -> bool; got {self.units!r}")
+        if isinstance(self.units, tuple) and not all(isinstance(u, str) for u in self.units):
+            raise ValueError(f"Offload.units must name units (strings); got {self.units!r}")
+
+    def selects(self, unit: str) -> bool:
+        if isinstance(self.units, bool):
+            return self.units
+        if isinstance(self.units, tuple):
+            return unit in self.units
+        return bool(self.units(unit))
+
+
+
+def offload_copies(gm: fx.GraphModule) -> list[fx.Node]:
+    """The step's host <-> device copies (`offload_copy` nodes), in graph order."""
+    op = getattr(getattr(torch.ops, "functional_shard", None), "offload_copy", None)
+    target = op.default if op is not None else None
+    return [n for n in gm.graph.nodes if target is not None and n.target is target]
+
+
+def is_to_host(node: fx.Node) -> bool:
+    return bool(node.args[2])
+
+
+def _last_write(gm: fx.GraphModule, source: fx.Node, copy: fx.Node) -> fx.Node:
+    """The last node before `copy` that makes or writes `source`'s storage: `source`, or an
+    in-place operation on it or on a view of it (the optimizer updates its private copies in
+    place: the copy must see the last write)."""
+    storage = {source}
+    last = source
+    for node in gm.graph.nodes:
+        if node is copy:
+            break
+        reads = set(node.all_input_nodes) & storage
+        if not reads:
+            continue
+        written = set(written_inputs(node)) & storage
+        if _is_view(node) or written or _returns_alias(node):
+            storage.add(node)
+        if written:
+            last = node
+    return last
+
+
+def _returns_alias(node: fx.Node) -> bool:
+    """An in-place operation returns the tensor it wrote (`mul_` returns its `self`)."""
+    schema = _schema(node)
+    return schema is not None and any(r.alias_info is not None and r.alias_info.is_write for r in schema.returns)
+
+
+@dataclasses.dataclass(frozen=True)
+class stream_offload_copies(Pass):
+    """Each copy to the device right before its first reader; each copy to the host right
+    after what it copies. Moves no collective; the bits do not change (copies are exact)."""
+
+    def __call__(self, gm: fx.GraphModule, context: PassContext) -> fx.GraphModule:
+        for node in offload_copies(gm):
+            if is_to_host(node):
+                source = node.args[0]
+                if isinstance(source, fx.Node) and source.op != "placeholder":
+                    after = _last_write(gm, source, node)
+                    if after.next is not node:
+                        after.append(node)
+            elif node.users:
+                order = {n: i for i, n in enumerate(gm.graph.nodes)}
+                first = min(node.users, key=order.__getitem__)
+                if node.next is not first:
+                    first.prepend(node)
+        return gm
