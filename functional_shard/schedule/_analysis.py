@@ -8,6 +8,7 @@ from torch import fx
 
 from ._axes import collective_axis
 from ._graph import aliases, collectives, positions, uses
+from ._offload import is_to_host, offload_copies
 from ._remat import recomputed_bytes, recomputed_units
 
 
@@ -20,7 +21,7 @@ class ScheduleEvent(NamedTuple):
     position: int  # index of the node in the final graph
     unit: str  # the unit whose buffer the collective moves ("" for the loss all-reduce)
     buffer: str  # the flat buffer (a unit may hold several: frozen, other dtypes)
-    event: str  # gather_issued | gather_waited | freed | reduce_scatter_issued | reduce_scatter_waited | all_reduce_issued | all_reduce_waited | recomputed
+    event: str  # gather_issued | gather_waited | freed | reduce_scatter_issued | reduce_scatter_waited | all_reduce_issued | all_reduce_waited | recomputed | copied_to_device | copied_to_host
     phase: str  # forward | backward | update
     node: str  # the graph node's name (for recomputed: the first recomputed node)
     nbytes: int  # bytes of the full (unsharded, padded) buffer this collective moves (recomputed: bytes the recomputed nodes allocate)
@@ -50,7 +51,27 @@ def analyze(gm: fx.GraphModule) -> list[ScheduleEvent]:
     for unit, nodes in recomputed_units(gm).items():
         first = nodes[0]
         events.append(ScheduleEvent(position[first], unit, "", "recomputed", "backward", first.name, recomputed_bytes(nodes)))
+    events += _copy_events(gm, position)
     return sorted(events, key=lambda e: (e.position, e.event))
+
+
+def _copy_events(gm: fx.GraphModule, position: dict) -> list[ScheduleEvent]:
+    """CPU offload's copies (`functional_shard::offload_copy`): a shard's copy to the device
+    names the all-gather it feeds; a gradient shard's copy to the host the reduce-scatter it
+    follows; the update's copies (`Offload(update="device")`) name neither (phase "update")."""
+    by_issue = {c.issue: c for c in collectives(gm)}
+    by_wait = {c.wait: c for c in collectives(gm)}
+    events = []
+    for node in offload_copies(gm):
+        value = node.meta.get("val")
+        nbytes = value.numel() * value.element_size() if value is not None else 0
+        to_host = is_to_host(node)
+        source = node.args[0]
+        c = by_wait.get(source) if to_host else next((by_issue[u] for u in node.users if u in by_issue), None)
+        unit, buffer, phase = (c.unit, c.buffer, c.phase) if c is not None else ("", "", "update")
+        kind = "copied_to_host" if to_host else "copied_to_device"
+        events.append(ScheduleEvent(position[node], unit, buffer, kind, phase, node.name, nbytes))
+    return events
 
 
 def max_units_alive(events: Sequence[ScheduleEvent]) -> int:
@@ -122,6 +143,7 @@ def explain(events: Sequence[ScheduleEvent], *, title: str = "") -> str:
         lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
         if i == 0:
             lines.append("  ".join("-" * w for w in widths))
+    copies = {kind: [e.nbytes for e in events if e.event == kind] for kind in ("copied_to_device", "copied_to_host")}
     gathered = sum(e.nbytes for e in events if e.event == "gather_issued" and e.buffer)
     scattered = sum(e.nbytes for e in events if e.event == "reduce_scatter_issued" and e.buffer)
     lines.append(
@@ -129,6 +151,12 @@ def explain(events: Sequence[ScheduleEvent], *, title: str = "") -> str:
         f"at most {max_units_alive(events)} units' full parameters alive at once, "
         f"at most {max_in_flight(events)} collectives in flight"
     )
+    if copies["copied_to_device"] or copies["copied_to_host"]:
+        lines.append(
+            f"CPU offload: {len(copies['copied_to_device'])} copies to the device "
+            f"({sum(copies['copied_to_device']) / 2**20:.3f} MiB), {len(copies['copied_to_host'])} to the host "
+            f"({sum(copies['copied_to_host']) / 2**20:.3f} MiB) per step"
+        )
     others: dict[tuple[str, str], list[int]] = {}
     for e in events:
         if not e.buffer and e.event.endswith("_issued"):
