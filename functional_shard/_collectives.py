@@ -133,7 +133,8 @@ class AllReduceFlat(torch.autograd.Function):
 def gather_bytes(shard: torch.Tensor, mesh: BaseMesh, buffer=None) -> torch.Tensor:
     """Non-differentiable all-gather of any dtype: dtypes the backend cannot reduce are moved
     as raw bytes (an all-gather only moves data, so their bits arrive unchanged)."""
-    shard = shard.detach()
+    if shard.requires_grad:  # (a detach of a tensor that needs none would sit between a cast and its gather)
+        shard = shard.detach()
     with moving(buffer):
         if shard.dtype in _MOVE_AS_BYTES:
             return mesh.all_gather_flat(shard.view(torch.uint8)).view(shard.dtype)

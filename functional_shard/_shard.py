@@ -161,7 +161,7 @@ def gather_full(
     if device is not None:
         if differentiable:
             return GatherFlat.apply(shard, mesh, spec, spec.gather_dtype, spec.reduce_dtype, device)
-        return gather_bytes(to_device(shard.detach(), device, spec.gather_dtype), mesh, spec)
+        return gather_bytes(to_device(shard.detach() if shard.requires_grad else shard, device, spec.gather_dtype), mesh, spec)
     if alias and mesh.shard_axis is None and not mesh.replicate_axes and spec.gather_dtype == spec.reduce_dtype == shard.dtype:
         return shard  # GatherFlat would copy it, and its backward copy the gradient: both the identity
     if differentiable:

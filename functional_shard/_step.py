@@ -210,7 +210,15 @@ class ShardedStep:
         loss_scale = self._fn.loss_scale.init() if self._fn.loss_scale is not None else None
         state = StepState(sharded, opt_state, loss_scale, torch.tensor(seed, dtype=torch.int64), 0, self._key)
         if self.schedule.offload is not None:
-            state = self._to_host(state)
+            error, placed = None, state
+            try:
+                placed = self._to_host(state)
+            except Exception as e:  # noqa: BLE001 (the other ranks must learn of it)
+                error = e
+            self.mesh.succeed_together("step.init (CPU offload)", error, lambda failed: PeerError(
+                f"ranks {failed} could not place their offloaded state in host memory (see their errors), so no rank "
+                f"initialized", failed[0]))  # fmt: skip
+            state = placed
         return state.replace(gathered=self._gathered(state)) if self._fn.keep else state
 
     def init_abstract(self, params: Any) -> StepState:
@@ -329,9 +337,25 @@ class ShardedStep:
         """CPU offload: the offloaded units' shards and optimizer state moved to host memory."""
         layout = state.params.layout
         chosen = [self.schedule.offload.selects(spec.unit) for spec in layout.buffers]
-        shards = [place_on_host(s) if c else s for s, c in zip(state.params.shards, chosen)]
+        if not any(chosen):
+            raise StepError(
+                f"Schedule(offload={self.schedule.offload!r}) selects none of this step's units "
+                f"({sorted({spec.unit for spec in layout.buffers})}): name some, or leave offload out"
+            )
+
+        def host(t: torch.Tensor, where: str) -> torch.Tensor:
+            try:
+                return place_on_host(t)
+            except RuntimeError as error:  # pinning fails when the host has no page-locked memory left
+                raise StepError(
+                    f"CPU offload: could not place {where} ({t.numel() * t.element_size() / 2**20:.1f} MiB, {t.dtype}) "
+                    f"in host memory on rank {self.mesh.rank}: {str(error).strip().splitlines()[0][:200]}. Offload fewer "
+                    f"units (fs.schedule.Offload(units=(...))) or free host memory; nothing was moved"
+                ) from error
+
+        shards = [host(s, f"the shard of buffer {spec.name!r}") if c else s for s, spec, c in zip(state.params.shards, layout.buffers, chosen)]
         names = frozenset(spec.name for spec, c in zip(layout.buffers, chosen) if c and spec.trainable)
-        opt_state = _reference._map_buffers(state.opt_state, names, place_on_host)
+        opt_state = _reference._map_buffers(state.opt_state, names, lambda t: host(t, "optimizer state"))
         return state.replace(params=state.params.replace(shards=shards), opt_state=opt_state)
 
     def _gathered(self, state: StepState) -> tuple:

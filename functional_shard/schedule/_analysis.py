@@ -55,6 +55,19 @@ def analyze(gm: fx.GraphModule) -> list[ScheduleEvent]:
     return sorted(events, key=lambda e: (e.position, e.event))
 
 
+def _reduced_by(node, by_wait: dict):
+    """The reduce-scatter whose result `node` is: its wait, or on gloo the local sum of the
+    ranks' parts (a view and a sum of the wait), up to two nodes on."""
+    for _ in range(3):
+        if node in by_wait:
+            return by_wait[node]
+        inputs = node.all_input_nodes if isinstance(node, fx.Node) else []
+        if len(inputs) != 1:
+            return None
+        node = inputs[0]
+    return None
+
+
 def _copy_events(gm: fx.GraphModule, position: dict) -> list[ScheduleEvent]:
     """CPU offload's copies (`functional_shard::offload_copy`): a shard's copy to the device
     names the all-gather it feeds; a gradient shard's copy to the host the reduce-scatter it
@@ -67,7 +80,7 @@ def _copy_events(gm: fx.GraphModule, position: dict) -> list[ScheduleEvent]:
         nbytes = value.numel() * value.element_size() if value is not None else 0
         to_host = is_to_host(node)
         source = node.args[0]
-        c = by_wait.get(source) if to_host else next((by_issue[u] for u in node.users if u in by_issue), None)
+        c = _reduced_by(source, by_wait) if to_host else next((by_issue[u] for u in node.users if u in by_issue), None)
         unit, buffer, phase = (c.unit, c.buffer, c.phase) if c is not None else ("", "", "update")
         kind = "copied_to_host" if to_host else "copied_to_device"
         events.append(ScheduleEvent(position[node], unit, buffer, kind, phase, node.name, nbytes))

@@ -1,0 +1,180 @@
+"""CPU offload: `fs.Schedule(offload=fs.schedule.Offload(...))`.
+
+At world sizes 1, 2 and 4 (gloo processes), eager and traced, one and three micro-batches
+(`accumulate="sharded"` and `"full"`), fp32 and bf16 mixed precision, with the update on the
+device (streamed) and on the host:
+- the same bits as the default step (parameters, every optimizer tensor, losses, norms);
+- the traced graph's copies (`functional_shard::offload_copy`) where the schedule puts them:
+  each offloaded shard's copy to the device made with its all-gather (no other collective
+  issued between them: it moves ahead with the all-gather under `prefetch`), each reduced gradient shard's copy to the host right after its wait, and
+  with `update="device"` every update copy next to its reader or its last write; only the
+  chosen units copied; `step.explain()` lists and counts them;
+- refusals: a rank that cannot place its state in host memory fails `init` on every rank,
+  naming it; offload with ZeRO-1 or `canonical_chunks`; an `Offload` that selects no unit.
+On this machine host and device are one memory: each copy is a real copy, and the graph is
+the GPU step's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import functional_shard as fs
+from functional_shard.models import GPT, GPTConfig
+from functional_shard.schedule import Offload
+from functional_shard.schedule._graph import unit_of_label
+
+STEPS = 3
+ROWS = 6
+
+
+def build():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=31, block_size=16, n_layer=2, n_head=2, d_model=24))
+    apply_fn, params = fs.functionalize(model)
+    return params, lambda p, b: F.cross_entropy(apply_fn(p, b[0]).reshape(-1, 31), b[1].reshape(-1))
+
+
+def batch(mesh, i: int):
+    g = torch.Generator().manual_seed(100 + i)
+    tokens = torch.randint(0, 31, (ROWS * mesh.world_size, 11), generator=g)
+    return tuple(t[mesh.rank * ROWS : (mesh.rank + 1) * ROWS] for t in (tokens, torch.roll(tokens, -1, 1)))
+
+
+def train(mesh, *, offload, trace, microbatches=1, accumulate="sharded", precision=None):
+    params, loss_fn = build()
+    schedule = fs.Schedule(trace=trace, accumulate=accumulate, offload=offload)
+    step = fs.sharded_step(loss_fn, mesh, optimizer=fs.optim.adamw(1e-2, weight_decay=0.1), schedule=schedule,
+                           microbatches=microbatches, precision=precision)  # fmt: skip
+    state = step.init(params)
+    metrics = []
+    for i in range(STEPS):
+        state, m = step(state, batch(mesh, i))
+        metrics.append(m)
+    return step, state, metrics
+
+
+def tensors(state) -> list[torch.Tensor]:
+    return fs.tree_leaves((state.params, state.opt_state))
+
+
+BF16 = fs.Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+CASES = [
+    (trace, k, a, None, update)
+    for trace in (False, True) for k, a in ((1, "sharded"), (3, "sharded"), (3, "full")) for update in ("device", "host")
+]  # fmt: skip
+CASES += [(True, 1, "sharded", BF16, "device"), (False, 3, "full", BF16, "host")]
+UNITS = ("blocks.1", "output")
+
+
+def placement(step, offload) -> dict:
+    """Where the traced graph's copies sit (world size > 1: the collectives are there)."""
+    gm = step.cache[next(iter(step.cache))].graph_module
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    copies = fs.schedule.offload_copies(gm)
+    chosen = lambda label: offload.selects(unit_of_label(label))  # noqa: E731 (a micro-batch's label names its unit)
+    gathers = [c for c in fs.schedule.parameter_collectives(gm) if c.kind == "all_gather"]
+    scatters = [c for c in fs.schedule.parameter_collectives(gm) if c.kind == "reduce_scatter"]
+    to_device = [n for n in copies if not n.args[2]]
+    to_host = [n for n in copies if n.args[2]]
+    feeding = {c.issue: c for c in gathers}
+    nodes = list(gm.graph.nodes)
+    issues = set(fs.schedule.ISSUE_OPS)
+    # made after the collective issued before its gather: it travels with the gather, not ahead of it
+    with_its_gather = lambda a, b: not any(n.target in issues for n in nodes[order[a] + 1 : order[b]])  # noqa: E731
+
+    def reduced(c):  # the reduce-scatter's result: its wait, or on gloo the local sum of its parts
+        return [c.wait, *(u for u in c.wait.users), *(v for u in c.wait.users for v in u.users)]
+
+    out = {
+        # every gather of an offloaded unit reads a copy made right before it (no other collective
+        # issued between them); no other gather reads a copy
+        "gathers read their copy": all(
+            (c.issue.args[0] in to_device and with_its_gather(c.issue.args[0], c.issue)) == chosen(c.unit) for c in gathers
+        ),
+        # every reduce-scatter of an offloaded unit's gradient goes to the host once reduced
+        "gradients go to the host": all(
+            any(u in to_host for r in reduced(c) for u in r.users) == chosen(c.unit) for c in scatters
+        ),
+        "update copies next to their readers": all(
+            order[min(n.users, key=order.__getitem__)] == order[n] + 1 for n in to_device if not any(u in feeding for u in n.users)
+        ),
+        "explained": "CPU offload:" in step.explain(),
+        "update copies": sum(1 for n in to_device if not any(u in feeding for u in n.users)),
+    }
+    return out
+
+
+def same_bits_as_default(mesh, cases: list, units) -> dict:
+    out = {}
+    for trace, microbatches, accumulate, precision, update in cases:
+        offload = Offload(units=units, update=update)
+        name = f"trace={trace} k={microbatches} {accumulate} {'bf16' if precision else 'fp32'} update={update} units={units}"
+        _, default, dm = train(mesh, offload=None, trace=trace, microbatches=microbatches, accumulate=accumulate, precision=precision)
+        step, off, om = train(mesh, offload=offload, trace=trace, microbatches=microbatches, accumulate=accumulate, precision=precision)
+        out[name] = {
+            "same bits": all(torch.equal(a, b) for a, b in zip(tensors(default), tensors(off))),
+            "same losses": all(torch.equal(a["loss"], b["loss"]) and torch.equal(a["grad_norm"], b["grad_norm"]) for a, b in zip(dm, om)),
+        }
+        if trace and mesh.world_size > 1:
+            out[name].update(placement(step, offload))
+    return out
+
+
+WORLDS = {1: [CASES[6], CASES[7], CASES[4]], 2: CASES, 4: [CASES[6], CASES[11], CASES[12]]}
+
+
+@pytest.mark.parametrize("world_size", sorted(WORLDS))
+def test_offload_gives_the_default_bits_with_copies_in_place(local_world, world_size):
+    runs = [(True, WORLDS[world_size])] + ([(UNITS, WORLDS[4])] if world_size == 2 else [])  # some units only: a few cases
+    for units, cases in runs:
+        for rank, report in enumerate(local_world(world_size).run(same_bits_as_default, cases, units)):
+            for name, r in report.items():
+                assert r["same bits"] and r["same losses"], (rank, name, r)
+                for key in ("gathers read their copy", "gradients go to the host", "update copies next to their readers", "explained"):
+                    assert r.get(key, True), (rank, key, name, r)
+                if "update=device" in name and "update copies" in r:
+                    assert r["update copies"] > 0, (rank, name, r)
+                if "update=host" in name and "update copies" in r:
+                    assert r["update copies"] == 0, (rank, name, r)
+
+
+def pinning_fails_on_rank_1(mesh):
+    import functional_shard._step as step_module
+
+    params, loss_fn = build()
+    step = fs.sharded_step(loss_fn, mesh, optimizer=fs.optim.sgd(0.1), schedule=fs.Schedule(offload=True))
+    if mesh.rank == 1:
+        def no_pinned_memory(t):
+            raise RuntimeError("CUDA error: out of memory (cudaHostAlloc)")
+
+        step_module.place_on_host = no_pinned_memory
+    try:
+        step.init(params)
+    except Exception as error:  # noqa: BLE001
+        return type(error).__name__, str(error)
+    return None, ""
+
+
+def test_a_rank_that_cannot_pin_fails_init_on_every_rank(local_world):
+    (kind0, message0), (kind1, message1) = local_world(2).run(pinning_fails_on_rank_1)
+    assert kind1 == "StepError" and "host memory on rank 1" in message1 and "Offload fewer units" in message1, message1
+    assert kind0 == "PeerError" and "ranks [1]" in message0, message0
+
+
+def test_offload_refusals():
+    with pytest.raises(ValueError, match="update"):
+        Offload(update="gpu")
+    with pytest.raises(ValueError, match="choose one"):
+        fs.Schedule(offload=True, reshard_after_update=False)
+    with pytest.raises(ValueError, match="offload"):
+        fs.Schedule(offload="yes")
+    with fs.init_mesh({"fsdp": 1}) as mesh:
+        params, loss_fn = build()
+        with pytest.raises(ValueError, match="canonical_chunks"):
+            fs.sharded_step(loss_fn, mesh, optimizer=fs.optim.sgd(0.1), canonical_chunks=2, schedule=fs.Schedule(offload=True))
+        step = fs.sharded_step(loss_fn, mesh, optimizer=fs.optim.sgd(0.1), schedule=fs.Schedule(offload=Offload(units=("nope",))))
+        with pytest.raises(fs.StepError, match="selects none"):
+            step.init(params)
