@@ -62,13 +62,14 @@ OFFLOAD_COPY = torch.ops.functional_shard.offload_copy.default
 
 
 def to_device(x: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """`x` (host memory) copied to the compute `device` (in `dtype`); not differentiable."""
-    return OFFLOAD_COPY(x, str(device), False, dtype)
+    """`x` (host memory) copied to the compute `device` (in `dtype`); not differentiable. A
+    planned step's tensors (`init_abstract`: meta) stay meta."""
+    return OFFLOAD_COPY(x, "meta" if x.device.type == "meta" else str(device), False, dtype)
 
 
 def to_host(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """`x` copied to host memory (in `dtype`); not differentiable."""
-    return OFFLOAD_COPY(x, str(HOST), True, dtype)
+    """`x` copied to host memory (in `dtype`); not differentiable. Meta stays meta."""
+    return OFFLOAD_COPY(x, "meta" if x.device.type == "meta" else str(HOST), True, dtype)
 
 
 def place_on_host(t: torch.Tensor) -> torch.Tensor:

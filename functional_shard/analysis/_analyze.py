@@ -96,6 +96,11 @@ class Analysis(NamedTuple):
             f"peak memory per rank {self.memory.peak / gib:.3f} GiB at {self.memory.peak_node}: "
             + ", ".join(f"{name} {value / gib:.3f}" for name, value in self.memory.breakdown._asdict().items()),
         ]
+        if self.memory.host_peak:
+            lines.append(
+                f"host memory per rank (CPU offload): peak {self.memory.host_peak / gib:.3f} GiB, of which the "
+                f"offloaded state {self.memory.host_resident / gib:.3f} GiB; the peak above is the device's"
+            )
         return "\n".join(lines)
 
 

@@ -240,6 +240,7 @@ def calibrate(mesh, *, path: str | None = None, name: str | None = None, quick: 
         matmul_dtype_scale={name: _mean(mesh, value) for name, value in dtype_scale.items()},
         attention_flops=_mean(mesh, attention) if attention else 0.0,
         op_curves_by_bytes=gpu,
+        host_bandwidth=_mean(mesh, _host_bandwidth(device, quick)) if gpu else 0.0,
     )
     if path is not None and mesh.rank == 0:
         machine.save(path)
@@ -286,6 +287,13 @@ def _gpu_products(mesh, device, min_loop_s: float, quick: bool) -> tuple[list, d
     seconds = _loop_seconds(attend, min_loop_s, device=device)
     done = 3 * 4 * b * h * s * s * d / 2  # forward 2 products, backward 4; causal: half
     return curve, scale, done / seconds
+
+
+def _host_bandwidth(device, quick: bool) -> float:
+    """Bytes/s of a copy from pinned host memory to the GPU (CPU offload's copies), 256 MiB."""
+    host = torch.empty(64 << 20, dtype=torch.float32).pin_memory()
+    seconds = _median_seconds(lambda: host.to(device, non_blocking=True), 3 if quick else 7, device)
+    return host.numel() * host.element_size() / seconds
 
 
 def _last_level_cache(device) -> int:

@@ -44,6 +44,8 @@ class GPU:
         memory_bytes: HBM capacity.
         nvlink_bandwidth: NVLink bytes/s per GPU per direction (half the bidirectional figure).
         source: where the numbers come from.
+        host_bandwidth: host <-> GPU bytes/s per direction (PCIe x16 from pinned memory: Gen5
+            64 GB/s, Gen4 32 GB/s, of which ~80% is reached); what CPU offload's copies move at.
     """
 
     name: str
@@ -52,6 +54,7 @@ class GPU:
     memory_bytes: int
     nvlink_bandwidth: float
     source: str
+    host_bandwidth: float = 0.8 * 64e9
 
 
 H100_SXM = GPU(
@@ -83,6 +86,7 @@ A100_SXM_80GB = GPU(
     nvlink_bandwidth=300e9,
     source="NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB: bf16 312 TFLOP/s dense, tf32 156, fp32 19.5; "
     "HBM2e 2,039 GB/s; NVLink 3 600 GB/s bidirectional)",
+    host_bandwidth=0.8 * 32e9,
 )
 
 
@@ -194,4 +198,5 @@ def cluster_machine(
         matmul_dtype_scale={k: v / gpu.dense_flops[compute_dtype] for k, v in gpu.dense_flops.items()},
         attention_flops=gpu.dense_flops["bfloat16"] * e.attention,
         allocator_overhead=e.allocator,
+        host_bandwidth=gpu.host_bandwidth,
     )

@@ -82,8 +82,9 @@ _CLASSES = {
     ),
     "select": ("where", "masked_fill", "masked_fill_", "masked_scatter"),
 }
-OP_CLASSES = ("matmul", "view", "elementwise", *_CLASSES)
+OP_CLASSES = ("matmul", "view", "elementwise", *_CLASSES, "offload")
 _CLASS_OF = {name: kind for kind, names in _CLASSES.items() for name in names}
+_CLASS_OF["offload_copy"] = "offload"  # CPU offload's host <-> device copies (`Machine.host_bandwidth`)
 
 
 # Ops that return a view of their input although their schema does not say so: no kernel runs.

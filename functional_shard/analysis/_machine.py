@@ -99,6 +99,9 @@ class Machine:
             follows the bytes moved (a GPU's kernels are bound by its memory): an operation on
             `n` elements of a 2-byte dtype is read at `n / 2` (`calibrate` sets it on a GPU).
             False (a CPU's): the curves are read at the element count whatever the dtype.
+        host_bandwidth: bytes/s of a copy between host memory and the device (CPU offload's
+            `offload_copy` nodes: PCIe from pinned memory on a GPU); 0: priced as a copy in
+            memory (a CPU, where host and device are one).
     """
 
     name: str
@@ -122,6 +125,7 @@ class Machine:
     attention_flops: float = 0.0
     allocator_overhead: float = 0.0
     op_curves_by_bytes: bool = False
+    host_bandwidth: float = 0.0
 
     def __post_init__(self) -> None:
         for field in ("op_seconds", "op_seconds_hot"):
@@ -168,6 +172,8 @@ class Machine:
         FLOPs when `causal`; a product's throughput is scaled by `matmul_dtype_scale[dtype]`."""
         if view:
             return self.view_overhead_s
+        if kind == "offload" and self.host_bandwidth:
+            return max(self.op_overhead_s, nbytes / 2 / self.host_bandwidth)  # its bytes count in and out
         if not flops and kind in self.op_seconds:
             if self.op_curves_by_bytes and dtype in _ITEMSIZE:
                 numel = numel * _ITEMSIZE[dtype] // 4
@@ -236,7 +242,8 @@ def h100_sxm(*, ranks_per_node: int = 8, world_size: int = 8) -> Machine:
     bf16, 3.35 TB/s HBM3, NVLink 4 at 450 GB/s per direction within a node of
     `ranks_per_node` GPUs, InfiniBand NDR at 400 Gb/s (50 GB/s) per GPU beyond it. Peak
     rates are discounted to what large kernels reach (70% of matmul peak, 80% of HBM,
-    80% of link), and small ops pay a few microseconds of launch."""
+    80% of link and of PCIe Gen5's 64 GB/s to the host), and small ops pay a few microseconds
+    of launch."""
     within_node = world_size <= ranks_per_node
     link = (450e9 if within_node else 50e9) * 0.8
     latency = 10e-6 if within_node else 25e-6
@@ -250,4 +257,5 @@ def h100_sxm(*, ranks_per_node: int = 8, world_size: int = 8) -> Machine:
         collective_bandwidth={"all_gather": link, "reduce_scatter": link, "all_reduce": link},
         issue_overhead_s=5e-6,
         overlap_penalty=0.1,
+        host_bandwidth=0.8 * 64e9,  # PCIe Gen5 x16 from pinned memory (CPU offload's copies)
     )

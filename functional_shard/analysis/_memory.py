@@ -65,6 +65,8 @@ class MemoryEstimate(NamedTuple):
     timeline: tuple  # bytes alive while each node runs, in graph order
     resident_breakdown: MemoryBreakdown | None = None  # `resident` by category: this rank's parameter
     # shards and pieces, its optimizer state (and scalars), its batch; what MemTracker sees before the step
+    host_peak: int = 0  # CPU offload: bytes alive in host memory at its worst point (the fields above are the device's)
+    host_resident: int = 0  # ... of which the step's inputs (offloaded shards and optimizer state)
 
 
 def estimate_memory(gm: fx.GraphModule, roles: NodeRoles, io) -> MemoryEstimate:
@@ -78,6 +80,10 @@ def estimate_memory(gm: fx.GraphModule, roles: NodeRoles, io) -> MemoryEstimate:
     """
     nodes = list(gm.graph.nodes)
     storage_of, first, last, size, root = lifetimes(nodes)
+    host = host_storages(nodes, storage_of, root)
+    host_timeline = timeline_of(len(nodes), *({k: v for k, v in d.items() if k in host} for d in (first, last, size)))
+    host_inputs = sum(size[k] for k in host if root[k].op == "placeholder")
+    first, last, size = ({k: v for k, v in d.items() if k not in host} for d in (first, last, size))
     category = _categories(nodes, storage_of, root, roles, io)
     per_category = {c: [0] * (len(nodes) + 1) for c in CATEGORIES}
     for key, start in first.items():
@@ -99,7 +105,38 @@ def estimate_memory(gm: fx.GraphModule, roles: NodeRoles, io) -> MemoryEstimate:
         resident=resident,
         timeline=tuple(timeline),
         resident_breakdown=MemoryBreakdown(**by_category),
+        host_peak=max(host_timeline, default=0),
+        host_resident=host_inputs,
     )
+
+
+def host_storages(nodes: list, storage_of: dict, root: dict) -> set:
+    """The storages in host memory under CPU offload (none without it). A copy's output lives on
+    its side (`offload_copy`'s `to_host`); a step input copied to the device is the host's (an
+    offloaded shard or optimizer tensor); any other operation runs where its tensors are, so it
+    and its inputs are the host's when any of its inputs or readers is (`Offload(update="host")`:
+    the optimizer, its state and its scalars, reached from the gradients copied to the host)."""
+    copy = getattr(getattr(torch.ops, "functional_shard", None), "offload_copy", None)
+    if copy is None or not any(n.target is copy.default for n in nodes):
+        return set()
+    host_nodes: set = set()
+    changed = True
+    while changed:
+        changed = False
+        for node in nodes:
+            if node in host_nodes or node.op == "output":
+                continue
+            if node.target is copy.default:
+                on_host = bool(node.args[2])
+            else:  # an operation runs where its tensors are: any of its inputs, or any reader's
+                feeds_host = any(u in host_nodes and u.target is not copy.default for u in node.users)
+                reads_host = node.op == "call_function" and any(a in host_nodes for a in node.all_input_nodes)
+                copied_out = node.op == "placeholder" and any(u.target is copy.default and not u.args[2] for u in node.users)
+                on_host = feeds_host or reads_host or copied_out
+            if on_host:
+                host_nodes.add(node)
+                changed = True
+    return {k for k, n in root.items() if n in host_nodes}
 
 
 def _categories(nodes: list, storage_of: dict, root: dict, roles: NodeRoles, io) -> dict:
