@@ -2,6 +2,7 @@
 
     python benchmarks/gpu.py --out gpu.json                 # the ~1.1B Llama (TinyLlama's shape)
     python benchmarks/gpu.py --size tiny --rounds 2         # a smoke run (also on a CPU)
+    python benchmarks/gpu.py --arms torch,fs-fused --profile --out gpu.json   # where each arm's time goes
 
 Arms, each on its own copy of the same weights, timed interleaved (one round = `--steps` steps
 of every arm in turn, `--rounds` rounds; the median step of each arm):
@@ -159,6 +160,45 @@ def timed(arm, device) -> tuple[float, int]:
     return seconds, peak
 
 
+# Kernel classes by name, for the profile's account of where an arm's device time goes.
+KERNEL_CLASSES = (
+    ("attention", ("flash", "fmha", "attention", "sdpa")),
+    ("matmul", ("gemm", "sm90_xmma", "cutlass", "nvjet", "mm", "addmm")),
+    ("optimizer", ("adam", "multi_tensor", "foreach")),
+    ("copy", ("copy", "memcpy", "cat", "to_copy", "clone")),
+    ("reduction", ("reduce", "sum", "norm", "softmax")),
+)
+
+
+def profile_step(name: str, arm, device, out: Path | None) -> dict:
+    """One step of `arm` under torch.profiler: device (or CPU) time per kernel class, the ten
+    costliest kernels, the step's wall time, and a Chrome trace `<out>.<arm>.trace.json`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    synchronize(device)
+    start = time.perf_counter()
+    with profile(activities=activities) as prof:
+        arm()
+        synchronize(device)
+    wall = time.perf_counter() - start
+    events = prof.key_averages()
+    attr = "device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    kernels = [(e.key, getattr(e, attr, 0.0) or 0.0) for e in events if (getattr(e, attr, 0.0) or 0.0) > 0]
+    if device.type != "cuda":
+        kernels = [(k, t) for k, t in kernels if k.startswith("aten::")]
+    classes: dict = {}
+    for key, us in kernels:
+        lowered = key.lower()
+        kind = next((c for c, words in KERNEL_CLASSES if any(w in lowered for w in words)), "elementwise/other")
+        classes[kind] = classes.get(kind, 0.0) + us / 1e3
+    if out is not None:
+        prof.export_chrome_trace(str(out.with_suffix(f".{name}.trace.json")))
+    top = sorted(kernels, key=lambda kv: -kv[1])[:10]
+    print(f"{name}: wall {wall * 1e3:.1f} ms; ms by class " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(classes.items(), key=lambda kv: -kv[1])), flush=True)
+    return {"wall_ms": wall * 1e3, "ms_by_class": classes, "top_kernels_ms": [(k[:120], t / 1e3) for k, t in top]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", choices=sorted(SIZES), default="1b")
@@ -171,6 +211,9 @@ def main() -> None:
     parser.add_argument("--analyze", default="fs-fused", help="the fs arm whose memory and time fs.analysis predicts (else the first fs arm)")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--calibrate", action="store_true", help="calibrate the simulator here and predict the fs step")
+    parser.add_argument("--profile", action="store_true",
+                        help="one more step of each arm under torch.profiler: device time by kernel class, top kernels, "
+                             "the host time, and a Chrome trace per arm next to --out")  # fmt: skip
     args = parser.parse_args()
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -235,6 +278,8 @@ def main() -> None:
             mfu=flops_per_token * tokens / median / PEAK_BF16, peak_bytes=peaks[name], resident_bytes=arms[name].resident(),
         )
     log(results, args.out, arms=rows)
+    if args.profile:
+        log(results, args.out, profile={name: profile_step(name, arm, device, args.out) for name, arm in arms.items()})
 
     analyzed = args.analyze if args.analyze in arms else next((a for a in arms if a.startswith("fs")), None)
     if analyzed is not None:
