@@ -69,6 +69,18 @@ CASES += [(True, 1, "sharded", BF16, "device"), (False, 3, "full", BF16, "host")
 UNITS = ("blocks.1", "output")
 
 
+def overlapped(gm) -> dict:
+    """unit label -> computing nodes between its reduce-scatter's issue and wait."""
+    nodes = list(gm.graph.nodes)
+    order = {n: i for i, n in enumerate(nodes)}
+    trivial = ("view", "wait", "getitem", "offload_copy", "all_", "release", "_unsafe_view")
+    return {
+        c.unit: sum(n.op == "call_function" and not getattr(n.target, "__name__", "").startswith(trivial)
+                    for n in nodes[order[c.issue] + 1 : order[c.wait]])
+        for c in fs.schedule.parameter_collectives(gm) if c.kind == "reduce_scatter"
+    }  # fmt: skip
+
+
 def placement(step, offload) -> dict:
     """Where the traced graph's copies sit (world size > 1: the collectives are there)."""
     gm = step.cache[next(iter(step.cache))].graph_module
@@ -193,6 +205,13 @@ def test_analysis_reports_host_and_device_bytes_apart():
         analysis, compiled = fs.analysis.plan(loss_fn, params, batch, mesh=mesh, optimizer=fs.optim.adamw(1e-3),
                                               schedule=fs.Schedule(offload=offload))  # fmt: skip
         plans[name] = analysis, fs.analysis.simulate(compiled, machine)
+    # Planned for NCCL (no bound on collectives in flight): an offloaded unit's reduce-scatter
+    # overlaps the backward that follows (waited and copied out where its gradient leaves the
+    # unit's backward, not right after its issue), as an unoffloaded one does, but the last.
+    gm = fs.analysis.plan(loss_fn, params, batch, mesh=mesh, optimizer=fs.optim.adamw(1e-3),
+                          schedule=fs.Schedule(offload=True))[1].graph_module  # fmt: skip
+    scatters = [c.unit for c in fs.schedule.parameter_collectives(gm) if c.kind == "reduce_scatter"]
+    assert all(overlapped(gm)[unit] > 0 for unit in scatters[:-1]), overlapped(gm)
     default = plans["none"][0].memory
     assert default.host_peak == default.host_resident == 0
     for name in ("device", "host"):
