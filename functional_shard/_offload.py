@@ -50,6 +50,11 @@ def offload_copy(x: torch.Tensor, device: str, to_host: bool, dtype: Optional[to
     dtype = x.dtype if dtype is None else dtype
     if target == x.device:
         return x.to(dtype=dtype, copy=True)
+    if to_host and x.device.type == "cuda":
+        # Into pinned memory (torch's caching host allocator), so that the next step's copy back
+        # is asynchronous; waited here, since the host may read it at once (the host update).
+        out = torch.empty(x.shape, dtype=dtype, device=target, pin_memory=True)
+        return out.copy_(x if x.dtype == dtype else x.to(dtype))
     return x.to(target, dtype=dtype, non_blocking=(not to_host) and x.is_pinned(), copy=True)
 
 
