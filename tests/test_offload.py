@@ -220,3 +220,27 @@ def test_analysis_reports_host_and_device_bytes_apart():
         assert memory.host_resident > 0.9 * default.resident and memory.peak < default.peak, name
         assert "host memory per rank (CPU offload)" in plans[name][0].summary()
         assert plans[name][1].step_s > plans["none"][1].step_s, name
+
+
+def export_and_resume(mesh, path: str) -> dict:
+    """An offloaded state exports what the default state exports, and resumes from a checkpoint
+    to the bits of training straight through."""
+    _, default, _ = train(mesh, offload=None, trace=True)
+    step, off, _ = train(mesh, offload=Offload(), trace=True)
+    exported, expected = fs.export(off), fs.export(default)
+    fs.checkpoint.save(path, off)
+    params, _ = build()
+    loaded = fs.checkpoint.load(path, step.init(params))
+    straight, resumed = off, loaded
+    for i in range(STEPS, STEPS + 2):
+        straight, _ = step(straight, batch(mesh, i))
+        resumed, _ = step(resumed, batch(mesh, i))
+    return {
+        "export": set(exported) == set(expected) and all(torch.equal(exported[k], expected[k]) for k in expected),
+        "resume": all(torch.equal(a, b) for a, b in zip(tensors(straight), tensors(resumed))),
+    }
+
+
+def test_offloaded_state_exports_and_resumes(local_world, tmp_path):
+    for report in local_world(2).run(export_and_resume, str(tmp_path / "off")):
+        assert all(report.values()), report
