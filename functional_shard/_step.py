@@ -273,9 +273,7 @@ class ShardedStep:
         facts = () if self.mesh.world_size == 1 else (
             *self._facts, self._optimizer_facts[0], *scalar_facts(scalars), *self._optimizer_facts[1:], *cut
         )
-        rest = (sharded.local, state.opt_state, state.loss_scale, scalars)
-        if self._fn.keep:  # ZeRO-1: the full buffers kept from the last step (a loaded state: gathered now)
-            rest = (*rest, state.gathered if state.gathered is not None else self._gathered(state))
+        rest = self._rest(state, scalars, gather=True)
         with self._random_stream(state), refused_batch(problem):
             if not self.schedule.trace:
                 agree(self.mesh, "a training step", facts)
@@ -358,6 +356,22 @@ class ShardedStep:
         opt_state = _reference._map_buffers(state.opt_state, names, lambda t: host(t, "optimizer state"))
         return state.replace(params=state.params.replace(shards=shards), opt_state=opt_state)
 
+    def _rest(self, state: StepState, scalars, *, gather: bool = False) -> tuple:
+        """The state the traced step takes besides the shards: local leaves, optimizer state,
+        loss scale, this step's scalars, and with ZeRO-1 the kept full buffers (a state without
+        them, loaded from a checkpoint: gathered now when `gather`, else refused)."""
+        rest = (state.params.local, state.opt_state, state.loss_scale, scalars)
+        if not self._fn.keep:
+            return rest
+        if state.gathered is None:
+            if not gather:
+                raise StepError(
+                    "this ZeRO-1 state (Schedule(reshard_after_update=False)) holds no full parameters (a loaded or "
+                    "edited state): run a step with it first, which gathers them, or plan with step.init_abstract"
+                )
+            return (*rest, self._gathered(state))
+        return (*rest, state.gathered)
+
     def _gathered(self, state: StepState) -> tuple:
         """ZeRO-1's full buffers of `state`'s shards (a collective, eager): after `init`, or for
         a state that has none (loaded from a checkpoint)."""
@@ -435,7 +449,7 @@ class ShardedStep:
             raise StepError("lower() traces the step: it needs a schedule with trace=True")
         sharded = state.params
         scalars = self.optimizer.scalars(state.opt_state)
-        return self._jit.lower(sharded.layout, sharded.shards, (sharded.local, state.opt_state, state.loss_scale, scalars), batch)
+        return self._jit.lower(sharded.layout, sharded.shards, self._rest(state, scalars), batch)
 
     @property
     def cache(self) -> dict:
@@ -462,8 +476,7 @@ class ShardedStep:
         (`last_traced().graph_module(*step.graph_inputs(state, batch))` runs one step's graph
         by hand, e.g. to profile it). Local: no collective."""
         sharded = state.params
-        rest = (sharded.local, state.opt_state, state.loss_scale, self.optimizer.scalars(state.opt_state))
-        return self._jit.graph_inputs(sharded.layout, sharded.shards, rest, batch)
+        return self._jit.graph_inputs(sharded.layout, sharded.shards, self._rest(state, self.optimizer.scalars(state.opt_state)), batch)
 
     def last_traced(self, program: str = "step"):
         """The `CompiledStep` most recently run by the step (`"step"`) or by `evaluate` (`"evaluate"`):

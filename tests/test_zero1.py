@@ -144,3 +144,23 @@ def test_zero1_refusals():
         # Editing the parameters drops the kept full ones: the next step gathers the new values.
         edited = state.replace(params=state.params.replace(shards=[s * 0 for s in state.params.shards]))
         assert state.gathered is not None and edited.gathered is None
+
+
+def test_zero1_plan_is_the_zero1_graph():
+    """`fs.analysis.plan` (and `step.lower`) of a ZeRO-1 step analyze its own graph: the trainable
+    buffers gathered once, after the update, in their gather dtype; the full parameters resident."""
+    params, loss_fn = build("gpt")
+    batch = (torch.empty(ROWS, 11, dtype=torch.long, device="meta"),) * 2
+    mesh = fs.analysis.AbstractMesh({"fsdp": 4})
+    plans = {
+        keep: fs.analysis.plan(loss_fn, params, batch, mesh=mesh, optimizer=fs.optim.adamw(1e-3), precision=BF16,
+                               schedule=fs.Schedule(reshard_after_update=not keep))
+        for keep in (False, True)
+    }  # fmt: skip
+    default, zero1 = plans[False][0], plans[True][0]
+    gathers = [c for c in fs.schedule.collectives(plans[True][1].graph_module) if c.kind == "all_gather"]
+    assert gathers and all(c.phase == "update" for c in gathers)
+    trainable_full = sum(b.nbytes for b in plans[True][1].io.layout.buffers if b.trainable)
+    assert zero1.all_gather_bytes == trainable_full < default.all_gather_bytes
+    # the full bf16 parameters stay resident: 2 bytes per element more than the default's inputs
+    assert zero1.memory.resident - default.memory.resident == sum(b.nbytes for b in plans[True][1].io.layout.buffers)
