@@ -16,7 +16,10 @@ of every arm in turn, `--rounds` rounds; the median step of each arm):
   fp32)`, `fs.optim.adamw`;
 - `fs-fused`: the same with `fs.optim.adamw(fused=True)` (torch's fused AdamW kernel on each
   flat shard);
-- `fs-compile`, `fs-fused-compile`: those with `fs.Schedule(compile=True)`.
+- `fs-compile`, `fs-fused-compile`: those with `fs.Schedule(compile=True)`;
+- `fs-offload`, `fs-offload-remat`, `fs-remat`: `fused=True` with every unit's shards and
+  optimizer state in pinned host memory (`fs.Schedule(offload=True)`), with and without
+  `remat=True` (the peak is mostly activations), and remat alone for its cost.
 
 Per arm: seconds per step, tokens/s, MFU (6 N + 12 L h s FLOPs per token over 989 TFLOP/s,
 H100/H200 SXM dense bf16) and the allocator's peak (`torch.cuda.max_memory_allocated` during a
@@ -66,10 +69,12 @@ def allocated(device) -> int:
     return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
 
 
-def tensor_bytes(tree) -> int:
+def tensor_bytes(tree, device=None) -> int:
+    """Bytes of the distinct storages of `tree`'s tensors (on `device` only, when given: an
+    offloaded state's host tensors are not the allocator's)."""
     seen, total = set(), 0
     for t in fs.tree_leaves(tree):
-        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+        if not isinstance(t, torch.Tensor) or t.device.type == "meta" or (device is not None and t.device != device):
             continue
         t = t.to_local() if hasattr(t, "to_local") else t  # FSDP2's DTensor parameters
         storage = t.untyped_storage()
@@ -134,6 +139,7 @@ class FsArm:
         )
         self.state = self.step.init(params)
         self.batch = batch
+        self.device = mesh.device
         del module
 
     def __call__(self) -> float:
@@ -141,7 +147,7 @@ class FsArm:
         return metrics["loss"]
 
     def resident(self) -> int:
-        return tensor_bytes(self.state)
+        return tensor_bytes(self.state, self.device)
 
 
 def timed(arm, device) -> tuple[float, int]:
@@ -245,6 +251,12 @@ def main() -> None:
                 arms[name] = FsArm(module, batch, mesh, schedule=fs.Schedule())
             elif name == "fs-fused":
                 arms[name] = FsArm(module, batch, mesh, schedule=fs.Schedule(), fused=True)
+            elif name == "fs-offload":  # everything offloaded, the update streamed on the device
+                arms[name] = FsArm(module, batch, mesh, schedule=fs.Schedule(offload=True), fused=True)
+            elif name == "fs-offload-remat":  # ... and every unit rematerialized (activations are most of the peak)
+                arms[name] = FsArm(module, batch, mesh, schedule=fs.Schedule(offload=True, remat=True), fused=True)
+            elif name == "fs-remat":
+                arms[name] = FsArm(module, batch, mesh, schedule=fs.Schedule(remat=True), fused=True)
             elif name == "fs-compile":
                 arms[name] = FsArm(module, batch, mesh, schedule=fs.Schedule(compile=True))
             elif name == "fs-fused-compile":
