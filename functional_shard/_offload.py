@@ -27,12 +27,15 @@ On a machine without a GPU host and device are the same memory, and each copy is
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
+import optree
 import torch
 from torch.library import custom_op
 
-__all__ = ["offload_copy", "to_device", "to_host", "place_on_host", "OFFLOAD_COPY"]
+from ._pytree import NAMESPACE
+
+__all__ = ["offload_copy", "to_device", "to_host", "place_on_host", "OFFLOAD_COPY", "offloaded", "streamed", "map_buffers"]
 
 HOST = torch.device("cpu")
 
@@ -81,3 +84,27 @@ def place_on_host(t: torch.Tensor) -> torch.Tensor:
     """A host copy of a state tensor, pinned where a GPU can copy from it asynchronously."""
     host = t.detach().to(HOST, copy=True)
     return host.pin_memory() if torch.cuda.is_available() and t.device.type == "cuda" else host
+
+
+def offloaded(fn, spec) -> torch.device | None:
+    """The compute device a CPU-offloaded buffer's shard is copied to, or None (not offloaded);
+    `fn` is the step's `StepFunction` (its `offload` and `mesh`), or None."""
+    if fn is None or fn.offload is None or not fn.offload.selects(spec.unit):
+        return None
+    return getattr(fn.mesh, "device", torch.device("cpu"))
+
+
+def streamed(fn, layout) -> frozenset[str]:
+    """The trainable buffers whose update runs on the device although they live on the host
+    (`Offload(update="device")`)."""
+    if fn.offload is None or fn.offload.update != "device":
+        return frozenset()
+    return frozenset(spec.name for spec in layout.buffers if spec.trainable and offloaded(fn, spec) is not None)
+
+
+def map_buffers(opt_state, names: frozenset[str], fn) -> Any:
+    """`opt_state` with `fn` applied to its per-buffer tensors of the buffers `names` (the
+    optimizer state's parameter-like parts are dicts `buffer name -> shard`)."""
+    paths, leaves, structure = optree.tree_flatten_with_path(opt_state, none_is_leaf=False, namespace=NAMESPACE)
+    mapped = [fn(leaf) if path and path[-1] in names and isinstance(leaf, torch.Tensor) else leaf for path, leaf in zip(paths, leaves)]
+    return optree.tree_unflatten(structure, mapped)

@@ -28,17 +28,16 @@ import os
 import traceback
 from typing import Any, Callable, Iterator, NamedTuple
 
-import optree
 import torch
 from torch._functorch.eager_transforms import _vjp_with_argnums
 
 from . import _canonical, _random, _tracing
-from ._collectives import ReduceScatterFlat, gather_bytes
+from ._collectives import ReduceScatterFlat
 from ._layout import Layout
 from ._mesh import BaseMesh
-from ._offload import to_device, to_host
-from ._pytree import NAMESPACE, tree_flatten, tree_map, tree_paths, tree_unflatten
-from ._shard import gather_buffer, gather_full
+from ._offload import map_buffers, offloaded, streamed, to_device, to_host
+from ._pytree import tree_flatten, tree_map, tree_paths, tree_unflatten
+from ._shard import gather_buffer, gather_full, gather_kept
 from ._losses import StepError, WeightedLoss, check_loss, split_loss
 from .optim import LeafLayout, global_norm
 
@@ -159,13 +158,6 @@ def _gather_frozen(layout: Layout, shards, mesh, fn: StepFunction | None = None)
         if not spec.trainable:
             leaves.update(zip(spec.leaves, gather_buffer(layout, spec, s, mesh, differentiable=False, device=offloaded(fn, spec))))
     return leaves
-
-
-def offloaded(fn: StepFunction | None, spec) -> torch.device | None:
-    """The compute device a CPU-offloaded buffer's shard is copied to, or None (not offloaded)."""
-    if fn is None or fn.offload is None or not fn.offload.selects(spec.unit):
-        return None
-    return getattr(fn.mesh, "device", torch.device("cpu"))
 
 
 def _objective(fn: StepFunction, out: Any, scale) -> tuple[torch.Tensor, tuple]:
@@ -446,12 +438,12 @@ def update(fn: StepFunction, layout: Layout, shards, local, opt_state, loss_scal
     shard is all-gathered once, after the update, for the next step (`gather_kept`)."""
     grads, local, loss, mean, aux, microbatch_losses = gradients(fn, layout, shards, local, batch, loss_scale, kept)
     trainable = {spec.name: s for spec, s in zip(layout.buffers, shards) if spec.trainable}
-    streamed = _streamed(fn, layout)
-    if streamed:  # CPU offload, update on the device: its inputs copied there (`stream_offload_copies` places them)
+    moved = streamed(fn, layout)
+    if moved:  # CPU offload, update on the device: its inputs copied there (`stream_offload_copies` places them)
         device = getattr(fn.mesh, "device", torch.device("cpu"))
-        grads = {name: to_device(g, device) if name in streamed else g for name, g in grads.items()}
-        trainable = {name: to_device(s, device) if name in streamed else s for name, s in trainable.items()}
-        opt_state = _map_buffers(opt_state, streamed, lambda t: to_device(t, device))
+        grads = {name: to_device(g, device) if name in moved else g for name, g in grads.items()}
+        trainable = {name: to_device(s, device) if name in moved else s for name, s in trainable.items()}
+        opt_state = map_buffers(opt_state, moved, lambda t: to_device(t, device))
     with _tracing.phase("update"):
         # Leaves every rank of the tensor-parallel axis holds whole count once in the norm.
         whole = layout.replicated_buffers  # a property that walks the buffers: read it once
@@ -466,45 +458,15 @@ def update(fn: StepFunction, layout: Layout, shards, local, opt_state, loss_scal
         # The norm is all-reduced: every rank reads the same verdict, with no collective of its
         # own. Not finite exactly when some element of the gradient is not (or the norm overflows).
         loss_scale = fn.loss_scale.next(loss_scale, torch.isfinite(norm))
-    if streamed:  # ... and its results back to the host
-        new_trainable = {name: to_host(s) if name in streamed else s for name, s in new_trainable.items()}
-        new_opt_state = _map_buffers(new_opt_state, streamed, to_host)
+    if moved:  # ... and its results back to the host
+        new_trainable = {name: to_host(s) if name in moved else s for name, s in new_trainable.items()}
+        new_opt_state = map_buffers(new_opt_state, moved, to_host)
     new_shards = [new_trainable.get(spec.name, s) for spec, s in zip(layout.buffers, shards)]
     new_kept = None
     if kept is not None:
         with _tracing.phase("update"):
             new_kept = gather_kept(layout, new_shards, fn.mesh, kept)
     return StepOutput(new_shards, local, new_opt_state, loss_scale, mean, loss, norm, aux, microbatch_losses, new_kept)
-
-
-def _streamed(fn: StepFunction, layout: Layout) -> frozenset[str]:
-    """The trainable buffers whose update runs on the device although they live on the host."""
-    if fn.offload is None or fn.offload.update != "device":
-        return frozenset()
-    return frozenset(spec.name for spec in layout.buffers if spec.trainable and offloaded(fn, spec) is not None)
-
-
-def _map_buffers(opt_state, names: frozenset[str], fn) -> Any:
-    """`opt_state` with `fn` applied to its per-buffer tensors of the buffers `names` (the
-    optimizer state's parameter-like parts are dicts `buffer name -> shard`)."""
-    paths, leaves, structure = optree.tree_flatten_with_path(opt_state, none_is_leaf=False, namespace=NAMESPACE)
-    mapped = [fn(leaf) if path and path[-1] in names and isinstance(leaf, torch.Tensor) else leaf for path, leaf in zip(paths, leaves)]
-    return optree.tree_unflatten(structure, mapped)
-
-
-def gather_kept(layout: Layout, shards, mesh, kept=None) -> list[torch.Tensor]:
-    """ZeRO-1's full buffers: each trainable shard all-gathered in its gather dtype (what the
-    step that gathers computes with); a frozen buffer's from `kept` when given (it never
-    changes). The all-gathers move no parameter for the schedule's passes (no buffer label):
-    they stay after the update, where the computation puts them."""
-    out = []
-    for k, (spec, shard) in enumerate(zip(layout.buffers, shards)):
-        if kept is not None and not spec.trainable:
-            out.append(kept[k])
-            continue
-        cast = shard.contiguous() if spec.gather_dtype == shard.dtype else shard.to(spec.gather_dtype)
-        out.append(gather_bytes(cast, mesh, None))
-    return out
 
 
 def evaluate(fn: StepFunction, layout: Layout, shards, local, batch) -> EvalOutput:

@@ -232,3 +232,18 @@ def _check_shards(sharded: Sharded) -> None:
                 f"shard of buffer {spec.name!r} (leaves {[layout.paths[i] for i in spec.leaves][:4]}...) must be "
                 f"[{spec.shard_numel}] {spec.dtype} on {sharded.mesh.describe()}; got {got}"
             )
+
+
+def gather_kept(layout: Layout, shards, mesh: BaseMesh, kept=None) -> list[torch.Tensor]:
+    """ZeRO-1's full buffers: each trainable shard all-gathered in its gather dtype (what the
+    step that gathers computes with); a frozen buffer's from `kept` when given (it never
+    changes). The all-gathers move no parameter for the schedule's passes (no buffer label):
+    they stay after the update, where the computation puts them."""
+    out = []
+    for k, (spec, shard) in enumerate(zip(layout.buffers, shards)):
+        if kept is not None and not spec.trainable:
+            out.append(kept[k])
+            continue
+        cast = shard.contiguous() if spec.gather_dtype == shard.dtype else shard.to(spec.gather_dtype)
+        out.append(gather_bytes(cast, mesh, None))
+    return out

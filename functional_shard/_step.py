@@ -23,12 +23,12 @@ from ._checks import (
     batch_facts, broadcast_from_rank0, check_leaves, check_same_values, optimizer_facts, refused_batch, scalar_facts,
     step_facts,
 )
-from ._offload import place_on_host
+from ._offload import map_buffers, place_on_host
 from ._reference import StepError, StepFunction
 from .initialize import shard_from
 from ._nonfinite import NonFinite
 from .precision import Precision
-from ._shard import Sharded, _check_shards, shard_leaves
+from ._shard import Sharded, _check_shards, gather_kept, shard_leaves
 from ._units import Units
 from .optim import LeafLayout, Optimizer, as_optimizer
 from .schedule import Schedule
@@ -353,7 +353,7 @@ class ShardedStep:
 
         shards = [host(s, f"the shard of buffer {spec.name!r}") if c else s for s, spec, c in zip(state.params.shards, layout.buffers, chosen)]
         names = frozenset(spec.name for spec, c in zip(layout.buffers, chosen) if c and spec.trainable)
-        opt_state = _reference._map_buffers(state.opt_state, names, lambda t: host(t, "optimizer state"))
+        opt_state = map_buffers(state.opt_state, names, lambda t: host(t, "optimizer state"))
         return state.replace(params=state.params.replace(shards=shards), opt_state=opt_state)
 
     def _rest(self, state: StepState, scalars, *, gather: bool = False) -> tuple:
@@ -377,7 +377,7 @@ class ShardedStep:
         a state that has none (loaded from a checkpoint)."""
         self.mesh.agree("ZeRO-1: gather the full parameters")
         with torch.no_grad():
-            return tuple(_reference.gather_kept(state.params.layout, state.params.shards, self.mesh))
+            return tuple(gather_kept(state.params.layout, state.params.shards, self.mesh))
 
     def _evaluate(self, layout: Layout, shards, rest, batch):
         return _reference.evaluate(self._fn, layout, shards, rest[0], batch)
