@@ -151,3 +151,34 @@ def test_search_space_tries_gathering_once_with_microbatches():
     assert once.reshard_after_backward is False and once.reshard_after_forward is False
     base = fs.Schedule(reshard_after_forward=False, reshard_after_backward=False)
     assert {s.reshard_after_backward for _, s in space.schedules(base, **args, microbatches=4)} == {True, False}
+
+
+def _tune_kept_choices(mesh):
+    """A ZeRO-1 step and an offloaded one are tuned as themselves: every candidate keeps the
+    step's `reshard_after_update` and `offload` (they change what is traced, not only the
+    passes), and the chosen schedule trains to the step's own bits."""
+    out = {}
+    for name, schedule in (("zero1", fs.Schedule(reshard_after_update=False)), ("offload", fs.Schedule(offload=True))):
+        step, state, batch = _gpt_step(mesh, schedule=schedule)
+        machine = fs.analysis.h100_sxm(world_size=mesh.world_size)
+        result = fs.analysis.autotune(step, state, batch, budget_bytes=1 << 40, machine=machine, space=SPACE,
+                                      confirm=1, rounds=1, steps=1, warmup=0)  # fmt: skip
+        kept = all(
+            c.schedule.reshard_after_update == schedule.reshard_after_update and c.schedule.offload == schedule.offload
+            for c in result.candidates
+        )
+        # what it predicted for the step's own schedule is the step's own graph's prediction
+        own = fs.analysis.simulate(step.lower(state, batch), machine).memory.peak
+        kept = kept and result.candidates[0].predicted_peak == own
+        tuned, tuned_state, _ = _gpt_step(mesh, schedule=result.schedule)
+        a, _ = step(state, batch)
+        b, _ = tuned(tuned_state, batch)
+        same = all(torch.equal(x, y) for x, y in zip(fs.tree_leaves((a.params, a.opt_state)), fs.tree_leaves((b.params, b.opt_state))))
+        out[name] = (kept, same, len(result.candidates))
+    return out
+
+
+def test_autotune_keeps_zero1_and_offload(local_world):
+    for report in local_world(2).run(_tune_kept_choices):
+        for name, (kept, same, n) in report.items():
+            assert kept and same and n > 1, (name, kept, same, n)

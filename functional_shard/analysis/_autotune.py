@@ -246,7 +246,11 @@ def autotune(
     mesh = step.mesh
     mesh.agree("fs.analysis.autotune")
     machine = machine if machine is not None else calibrate(mesh)
-    unscheduled = with_schedule(step, Schedule(passes=(), accumulate=step.schedule.accumulate))
+    # The trace is the step's own: ZeRO-1 and CPU offload change what is traced, not only passes.
+    unscheduled = with_schedule(step, Schedule(
+        passes=(), accumulate=step.schedule.accumulate, reshard_after_update=step.schedule.reshard_after_update,
+        offload=step.schedule.offload,
+    ))  # fmt: skip
     base = unscheduled.lower(state, batch)
     backward_order, forward_end_order = _unit_orders(base)
     largest = max((c.nbytes for c in schedule_lib.collectives(base.graph_module) if c.kind == "all_gather"), default=0)

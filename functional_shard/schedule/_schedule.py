@@ -153,7 +153,9 @@ class Schedule:
             after): the default step's bits. `update="host"` updates on the host's tensors.
             The copies are `functional_shard::offload_copy` nodes of the graph
             (`step.explain()`, `fs.analysis`: host and device bytes apart). Eager and traced;
-            not with `reshard_after_update=False`, `canonical_chunks` or a pipeline.
+            not with `reshard_after_update=False`, `canonical_chunks` or a pipeline. It changes
+            what is traced, so it goes with `passes=(...)` too (put `stream_offload_copies()`
+            in your list, else the copies stay where the trace made them).
     """
 
     trace: bool = True
@@ -258,7 +260,6 @@ _CONVENIENT_FIELDS = {
     "extra_passes",
     "remat",
     "reshard_after_backward",
-    "offload",
 }
 
 
