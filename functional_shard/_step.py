@@ -239,8 +239,7 @@ class ShardedStep:
         opt_state = self.optimizer.init(_trainable(sharded), leaves=LeafLayout.of_shards(layout, self.mesh.shard_index))
         state = StepState(sharded, opt_state, loss_scale, torch.tensor(0), 0, self._key)
         if self._fn.keep:  # ZeRO-1: the full buffers, as meta tensors
-            dtypes = [spec.gather_dtype for spec in layout.buffers]
-            state = state.replace(gathered=tuple(torch.empty(spec.padded_numel, dtype=d, device="meta") for spec, d in zip(layout.buffers, dtypes)))
+            state = state.replace(gathered=tuple(torch.empty(spec.padded_numel, dtype=spec.gather_dtype, device="meta") for spec in layout.buffers))
         return state
 
     # --- the step -------------------------------------------------------------------------
