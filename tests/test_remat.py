@@ -127,7 +127,13 @@ def remat_equals_eager(mesh, name: str) -> list[str]:
     return problems
 
 
-@pytest.mark.parametrize("name", ["mlp", "gpt", "gpt_dropout"])
+# The GPTs with -m slow (suite time): every schedule with remat on the MLP here; the GPT's
+# remat bits in test_recomputed_nodes_read_the_backward_gather (4 schedules) and
+# test_batch_norm_aux_and_mixed_precision_keep_their_bits, dropout's kept masks in
+# test_remat_with_microbatches_keeps_the_bits_of_every_feature[dropout].
+@pytest.mark.parametrize(
+    "name", ["mlp", pytest.param("gpt", marks=pytest.mark.slow), pytest.param("gpt_dropout", marks=pytest.mark.slow)]
+)
 def test_every_schedule_with_remat_is_bit_identical_to_eager(local_world, name):
     for rank, problems in enumerate(local_world(2).run(remat_equals_eager, name)):
         assert not problems, f"rank {rank}: " + "\n".join(problems)
@@ -246,10 +252,13 @@ def remat_with_microbatches_equals_eager(mesh, accumulate: str, k: int) -> list[
     return problems
 
 
-# k = 1, 2, 4 and both strategies by default; the other two pairs with -m slow (suite time).
+# k = 1, 2 and both strategies by default; the other pairs with -m slow (suite time). Remat with
+# 4 micro-batches stays in the default set: ..._keeps_the_bits_of_every_feature[batch norm]
+# (k = 4, its recomputed units per micro-batch) and ..._keeps_one_microbatch_of_activations.
 @pytest.mark.parametrize(
     "accumulate, k",
-    [("sharded", 2), pytest.param("sharded", 4, marks=pytest.mark.slow), ("full", 1), pytest.param("full", 2, marks=pytest.mark.slow), ("full", 4)],
+    [("sharded", 2), pytest.param("sharded", 4, marks=pytest.mark.slow), ("full", 1), pytest.param("full", 2, marks=pytest.mark.slow),
+     pytest.param("full", 4, marks=pytest.mark.slow)],
 )
 def test_remat_with_microbatches_is_bit_identical_to_eager(local_world, accumulate, k):
     for rank, problems in enumerate(local_world(2).run(remat_with_microbatches_equals_eager, accumulate, k)):
@@ -284,7 +293,12 @@ def microbatch_feature(mesh, label: str) -> dict:
     }
 
 
-@pytest.mark.parametrize("label", list(MICROBATCH_FEATURES))
+# "gpt" and "bf16" with -m slow (suite time): the GPT's layer norm and attention stay in by
+# "dropout" and "frozen" (the same GPT, micro-batches, remat); bf16 with remat in
+# test_batch_norm_aux_and_mixed_precision_keep_their_bits.
+@pytest.mark.parametrize(
+    "label", [pytest.param(label, marks=pytest.mark.slow) if label in ("gpt", "bf16") else label for label in MICROBATCH_FEATURES]
+)
 def test_remat_with_microbatches_keeps_the_bits_of_every_feature(local_world, label):
     """Layer norm and attention (GPT), dropout (the masks are kept: the same draws), BatchNorm
     (running statistics written in every micro-batch), bf16, frozen parameters (gathered once
@@ -324,12 +338,16 @@ def llama_with_microbatches(mesh, accumulate: str) -> dict:
     }
 
 
-@pytest.mark.parametrize("accumulate", ["sharded", "full"])
+# "sharded" with -m slow (suite time): the Llama's recomputation is the same under either
+# strategy ("full" here); remat with sharded micro-batches in ..._is_bit_identical_to_eager[sharded-2].
+@pytest.mark.parametrize("accumulate", [pytest.param("sharded", marks=pytest.mark.slow), "full"])
 def test_remat_with_microbatches_on_a_hugging_face_llama(local_world, accumulate):
     pytest.importorskip("transformers")
     for out in local_world(2).run(llama_with_microbatches, accumulate):
-        # Every unit but `output` (final norm and head: it computes the loss), the embedding included.
-        layers = ["model.layers.1", "model.layers.0", "input"]
+        # Every block (not `output`, the final norm and head: it computes the loss). The embedding
+        # (`input`) recomputes nothing: its output is layer 0's kept input, and the first norm of
+        # layer 0 (parameter-free up to its weight) is recomputed by layer 0 from it.
+        layers = ["model.layers.1", "model.layers.0"]
         assert not out["problems"], out
         assert list(out["recomputed"]) == [f"{u}@mb{i}" for i in range(2) for u in layers], out
         assert all(out["recomputed"][f"{u}@mb0"] == out["recomputed"][f"{u}@mb1"] > 0 for u in layers), out
@@ -414,7 +432,9 @@ def microbatch_memory(mesh, accumulate: str) -> dict:
     return out
 
 
-@pytest.mark.parametrize("accumulate", ["sharded", "full"])
+# "full" with -m slow (suite time): the same assertions on "sharded" here; one micro-batch of
+# activations with "full" (no remat) in test_training.py::test_microbatches_keep_one_microbatch_of_activations[full].
+@pytest.mark.parametrize("accumulate", ["sharded", pytest.param("full", marks=pytest.mark.slow)])
 def test_remat_with_microbatches_keeps_one_microbatch_of_activations(local_world, accumulate):
     out = local_world(2).run(microbatch_memory, accumulate)[0]
     for measure in ("predicted", "counted"):
@@ -523,9 +543,12 @@ def selective_equals_eager(mesh, name: str, dtype) -> dict:
     return out
 
 
+# bf16 with -m slow (suite time): fp32 here, GPT and Llama at 1 and 2 ranks; bf16 with remat keeps
+# its bits in test_batch_norm_aux_and_mixed_precision_keep_their_bits, and the policies run in bf16
+# in test_selective_remat_peak_is_predicted.
 @pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.parametrize("name", ["gpt", "llama"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.slow)], ids=["fp32", "bf16"])
 def test_selective_remat_keeps_the_bits(local_world, world, name, dtype):
     if name == "llama":
         pytest.importorskip("transformers")

@@ -46,6 +46,7 @@ from ._graph import (
     microbatch_label,
     microbatch_of_label,
     positions,
+    tag_of,
     unit_of_label,
 )
 
@@ -216,6 +217,7 @@ class rematerialize(Pass):
             if unknown:
                 raise ValueError(f"rematerialize: no unit named {unknown} in this step; its units are {known}")
         microbatch_of, unit_of = _forward_nodes(gm, parameters, position, ends)
+        unit_of = _boundaries_to_readers(gm, unit_of, microbatch_of, parameters)
         losses = {unit_of.get(end) for end in ends}
         chosen = {u for u in unit_of.values() if self.chooses(unit_of_label(u)) and u not in losses}
         kept = _kept_by_policy(gm, unit_of, chosen, self.policy)
@@ -301,6 +303,61 @@ def _forward_nodes(
     return microbatch_of, {node: unit for node, (_, unit, _) in latest.items()}
 
 
+def _boundaries_to_readers(gm: fx.GraphModule, unit_of: dict, microbatch_of: dict, parameters: dict) -> dict:
+    """`unit_of` with the parameter-free tails of units handed to the unit that reads them.
+
+    A unit's value read by the next unit's forward is kept from forward to backward (it is the
+    next unit's input). A Llama block's output is read twice by the next block: as its residual
+    and through its first norm (`x * rsqrt(mean(x²))`, then a cast), which reads no parameter
+    until the norm's weight, so by the "latest parameter read" rule the norm's first ops belong to
+    the block before, and both the residual and the normalized value would be kept. Such a value
+    X is handed to its reader's unit, with the chain of parameter-free nodes it is computed from,
+    when that chain starts only from values kept anyway (read across units, or read by no unit):
+    the reader recomputes it in its backward from what is already kept, and X is no longer kept
+    (torchtitan's full activation checkpointing keeps each block's input only). Same ops on the
+    same inputs: the same bits."""
+    out = dict(unit_of)
+
+    def forward_users(n):
+        return [u for u in n.users if u in microbatch_of]
+
+    def crossing(n) -> bool:  # read by another unit's forward: kept
+        return n in out and any(out.get(u) not in (None, out[n]) for u in forward_users(n))
+
+    for x in reversed(list(gm.graph.nodes)):
+        unit = out.get(x)
+        if x not in microbatch_of or any(i in parameters for i in x.all_input_nodes):
+            continue
+        if unit is not None and not crossing(x):
+            continue
+        readers = {out.get(u) for u in forward_users(x)} - {None}
+        if len(readers) != 1 or unit in readers:
+            continue
+        (reader,) = readers
+        chain, frontier, stack = {x}, set(), list(x.all_input_nodes)
+        while stack:
+            n = stack.pop()
+            if n in chain or n in frontier:
+                continue
+            joins = (
+                n in microbatch_of and out.get(n) == unit and not (unit is not None and crossing(n))
+                and not any(i in parameters for i in n.all_input_nodes)
+                and all(u in chain or out.get(u) == reader for u in forward_users(n))
+            )  # fmt: skip
+            if not joins:
+                frontier.add(n)
+                continue
+            chain.add(n)
+            stack.extend(n.all_input_nodes)
+        # The reader's backward reads the frontier instead of x: it must be kept anyway (read across
+        # units, a parameter, an input of the step) or hold no storage of its own (a view).
+        free = all(n.op == "placeholder" or n in parameters or crossing(n) or _is_view(n) for n in frontier)
+        if free and all(microbatch_of.get(n) == microbatch_of[x] for n in chain):
+            for n in chain:
+                out[n] = reader
+    return out
+
+
 def _kept_by_policy(gm: fx.GraphModule, unit_of: dict, chosen: set, policy: RematPolicy | None) -> set[fx.Node]:
     """The chosen units' forward nodes whose outputs `policy` keeps (with `every_other_mm`,
     each unit's 2nd, 4th, ... `mm` or `addmm` in graph order is not kept)."""
@@ -383,8 +440,19 @@ def _storages(gm: fx.GraphModule, position: dict) -> tuple[dict[fx.Node, fx.Node
 
 
 def _is_random(node: fx.Node) -> bool:
+    """An op that draws random numbers: tagged so by torch, unless its only randomness is a
+    dropout whose probability is 0 (the fused attention kernels with `dropout_p=0.0` are
+    deterministic: recomputing one gives its bits)."""
     tags = getattr(node.target, "tags", ())
-    return torch.Tag.nondeterministic_seeded in tags
+    if torch.Tag.nondeterministic_seeded not in tags:
+        return False
+    schema = _schema(node)
+    given = {argument.name: value for argument, value in _arguments(node, schema)} if schema is not None else {}
+    declared = {a.name: a for a in schema.arguments} if schema is not None else {}
+    if "dropout_p" not in declared:
+        return True
+    dropout = given.get("dropout_p", declared["dropout_p"].default_value)
+    return not (isinstance(dropout, (int, float)) and not isinstance(dropout, bool) and dropout == 0)
 
 
 def _recomputable(node: fx.Node, root: dict, last_write: dict, position: dict) -> bool:
@@ -395,11 +463,22 @@ def _recomputable(node: fx.Node, root: dict, last_write: dict, position: dict) -
         schema = _schema(node)
         if schema is None or schema.is_mutable or node.target in _UNDECLARED_WRITES or _is_random(node):
             return False
-        if node.target is WAIT_OP or node.target.namespace == "_c10d_functional":
+        if (node.target is WAIT_OP or node.target.namespace == "_c10d_functional") and not _activation_collective(node):
             return False
     # A storage written after the node ran (anywhere in the graph) may not hold, when the copy
     # runs, what the node read or made: keep the node rather than prove when the write happens.
     return all(last_write.get(root[n], -1) < position[node] for n in (node, *node.all_input_nodes))
+
+
+def _activation_collective(node: fx.Node) -> bool:
+    """A model-parallel collective of activations (tensor parallelism's all-gathers, all-reduces
+    and reduce-scatters over `tp`), or the wait of one: it moves no parameter buffer, so its copy
+    in the backward is one more collective of the same values on the same group, the same bits
+    (every rank's graph gains it at the same place). A parameter's all-gather (FSDP) is not
+    copied: the backward gathers its own (`reshard_after_forward`)."""
+    issue = node.args[0] if node.target is WAIT_OP and node.args and isinstance(node.args[0], fx.Node) else node
+    tag = tag_of(issue)
+    return tag is not None and not tag.buffer and tag.phase != "update"
 
 
 def _read_by_output(node: fx.Node) -> bool:
