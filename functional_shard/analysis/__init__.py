@@ -14,6 +14,10 @@ from ._autotune import TuneResult as TuneResult
 from ._autotune import autotune as autotune
 from ._analyze import Analysis as Analysis
 from ._calibrate import calibrate as calibrate
+from ._layouts import LayoutCandidate as LayoutCandidate
+from ._layouts import LayoutPlan as LayoutPlan
+from ._layouts import LayoutSpace as LayoutSpace
+from ._layouts import plan_layouts as plan_layouts
 from ._cluster import A100_SXM_80GB as A100_SXM_80GB
 from ._cluster import FITTED as FITTED
 from ._cluster import GPU as GPU
@@ -45,4 +49,4 @@ from ._timeline import plot_gantt as plot_gantt
 from ._timeline import profile as profile
 from ._timeline import save_chrome_trace as save_chrome_trace
 
-__all__ = ["A100_SXM_80GB", "Efficiency", "FITTED", "GPU", "H100_SXM", "H100_SXM_HBM2E", "cluster_machine", "AbstractMesh", "Analysis", "SearchSpace", "TuneCandidate", "TuneResult", "autotune", "CollectiveCost", "MemoryBreakdown", "Machine", "MemoryEstimate", "PipelineCandidate", "PipelinePlan", "StagePlan", "balance_stages", "pipeline_chrome_trace", "plan_pipeline", "tune_pipeline", "Profile", "Simulation", "TraceEvent", "UnitCost", "abstract_state", "analyze", "calibrate", "chrome_trace", "h100_sxm", "load_machine", "plan", "plot_gantt", "profile", "save_chrome_trace", "simulate"]
+__all__ = ["A100_SXM_80GB", "Efficiency", "FITTED", "GPU", "H100_SXM", "H100_SXM_HBM2E", "cluster_machine", "AbstractMesh", "Analysis", "LayoutCandidate", "LayoutPlan", "LayoutSpace", "plan_layouts", "SearchSpace", "TuneCandidate", "TuneResult", "autotune", "CollectiveCost", "MemoryBreakdown", "Machine", "MemoryEstimate", "PipelineCandidate", "PipelinePlan", "StagePlan", "balance_stages", "pipeline_chrome_trace", "plan_pipeline", "tune_pipeline", "Profile", "Simulation", "TraceEvent", "UnitCost", "abstract_state", "analyze", "calibrate", "chrome_trace", "h100_sxm", "load_machine", "plan", "plot_gantt", "profile", "save_chrome_trace", "simulate"]

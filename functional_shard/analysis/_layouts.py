@@ -1,0 +1,493 @@
+"""Choosing the N-D layout before renting the cluster: `plan_layouts`.
+
+    result = fs.analysis.plan_layouts(build, batch, layers=80, world_size=256, global_batch=512,
+                                      tokens_per_row=8192, machine=machine, budget_bytes=80 << 30,
+                                      optimizer=fs.optim.adamw(lr=3e-4), precision=...)
+    print(result.table(limit=10))     # ranked; every loser says why
+
+Every candidate layout — `replicate x fsdp x tp x pp` factorizations of the world, each
+activation-checkpointing policy, and with a pipeline each schedule and micro-batch count — is
+predicted from steps traced on an `AbstractMesh` (meta tensors: nothing allocated) and priced
+on the `Machine` (`cluster_machine`: a GPU's data sheet, NVLink, the network):
+
+- **Depth.** A transformer's layers are alike, so a step's figures are affine in its depth:
+  each candidate mesh is traced at two shallow depths (`depths`, default 3 and 6 blocks: deep
+  enough that prefetching and freeing settle into the pattern every later layer repeats) and
+  every figure (simulated step time, exposed communication, phases, peak and resident bytes,
+  FLOPs) is extended to `layers` on the line through them. Tracing the full depth of a 70B
+  model takes ~a minute per candidate; two shallow traces take seconds, and the search reuses
+  them across checkpointing policies (one unscheduled trace per mesh and batch; each policy is
+  a pass applied to a copy, as `autotune` does). The line is exact where each layer costs the
+  same; `tests/test_layouts.py` checks it against full-depth plans.
+- **Without a pipeline** the figures are the simulator's (`simulate`) on the traced step:
+  FSDP's gathers and reduce-scatters, tensor parallelism's collectives on their own streams,
+  the optimizer, peak memory from the tensors' lifetimes, `reserved` as the caching
+  allocator holds it.
+- **With a pipeline** (`pp > 1`) the stages are composed from per-layer figures of a step
+  traced without one, the pipeline's ranks counted as data parallelism (`replicate x (pp *
+  fsdp) x tp`: the same trace as the flat layout's, at the micro-batch's rows; a pipeline rank
+  holds `pp` times that trace's shard, so its state and update are scaled by `pp`):
+  a stage of `k` layers forwards in `k` times a layer's forward wall time (its tensor-parallel
+  waits included) and backwards in `k` times a layer's backward (recomputation included); the
+  embedding, head and loss (the line's intercept) go to the last stage. The schedule's makespan
+  and bubble come from `fs.pipeline.analyze` at those costs, activations sent between ranks
+  priced on the link between their nodes; then each unit's gather and reduce-scatter once per
+  step (FSDP under a pipeline keeps a stage gathered across micro-batches, as FSDP2 does under
+  torch's pipelining), exposed as the traced step's ends are, and the optimizer. Memory per
+  rank: its layers' state, its stages gathered with their full gradients, the in-flight
+  activations (`fs.pipeline.peak_in_flight` micro-batches per stage times a layer's saved bytes),
+  plus one layer's working set. `plan_pipeline` predicts a pipelined step that exists; this is
+  its planning sibling at a scale where tracing every stage is too slow.
+
+Nothing runs and nothing is communicated: one process plans any world size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Any, Callable, NamedTuple
+
+from torch import fx
+
+from ..pipeline import Costs, Pipeline, analyze as analyze_pipeline, build_schedule
+from ..schedule import RematPolicy, Schedule
+from ._abstract import AbstractMesh
+from ._costs import node_cost
+from ._machine import Machine
+from ._simulate import simulate
+
+__all__ = ["LayoutSpace", "LayoutCandidate", "LayoutPlan", "plan_layouts"]
+
+_GIB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class LayoutSpace:
+    """The layouts `plan_layouts` tries: every combination whose degrees multiply to the world.
+
+    Attributes:
+        tp: tensor-parallel degrees (within a node: at most its GPUs, usually).
+        pp: pipeline degrees (1: no pipeline).
+        replicate: data-parallel replicas (HSDP's outer axis); the rest of the world is `fsdp`.
+        remat: `(label, Schedule.remat value)` pairs: the activation-checkpointing policies.
+        schedules: pipeline schedules (built-in names) tried when `pp > 1`.
+        microbatches: micro-batch counts as multiples of `pp` (M = k * pp), when `pp > 1`.
+    """
+
+    tp: tuple[int, ...] = (1, 2, 4, 8)
+    pp: tuple[int, ...] = (1, 2, 4, 8)
+    replicate: tuple[int, ...] = (1,)
+    remat: tuple = (("none", False), ("selective op", RematPolicy(every_other_mm=True)), ("full", True))
+    schedules: tuple[str, ...] = ("1f1b", "interleaved_1f1b")
+    microbatches: tuple[int, ...] = (1, 2)
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "replicate", "microbatches"):
+            values = getattr(self, name)
+            if not isinstance(values, (tuple, list)) or not values or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in values):
+                raise ValueError(f"LayoutSpace.{name} must be a non-empty tuple of ints >= 1; got {values!r}")
+            object.__setattr__(self, name, tuple(values))
+        remat = tuple(self.remat.items()) if isinstance(self.remat, dict) else tuple(self.remat)
+        if not remat or not all(isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) for p in remat):
+            raise ValueError(f"LayoutSpace.remat must be (label, Schedule.remat value) pairs; got {self.remat!r}")
+        object.__setattr__(self, "remat", remat)
+        for s in self.schedules:
+            Pipeline(s)  # an unknown name raises here, naming the built-ins
+        object.__setattr__(self, "schedules", tuple(self.schedules))
+
+
+class LayoutCandidate(NamedTuple):
+    """One layout `plan_layouts` predicted."""
+
+    axes: dict  # mesh axis -> size (replicate, fsdp, tp, pp; size-1 axes left out)
+    remat: str  # the activation-checkpointing policy's label
+    schedule: str  # pipeline schedule ("" without a pipeline)
+    microbatches: int  # micro-batches per step (1 without a pipeline)
+    step_s: float  # predicted step time (inf: could not be planned)
+    tokens_per_s_per_gpu: float
+    flops_utilization: float  # the FLOPs the step runs (recomputation included) / time / peak_flops (0 when not given)
+    reserved_bytes: int  # predicted peak per GPU as the caching allocator reserves it (the largest rank)
+    peak_bytes: int  # bytes alive at the peak (the largest rank)
+    exposed_s: float  # communication the computation does not hide (pipeline: bubble time included)
+    bubble: float  # pipeline: the largest idle fraction of a rank (0 without)
+    fits: bool  # reserved_bytes <= the budget
+    why: str  # why it ranks where it does
+
+    @property
+    def label(self) -> str:
+        axes = " x ".join(f"{k} {v}" for k, v in self.axes.items())
+        pipe = f", {self.schedule} M={self.microbatches}" if self.schedule else ""
+        return f"{axes}, {self.remat} AC{pipe}"
+
+
+class LayoutPlan(NamedTuple):
+    """What `plan_layouts` returns: the candidates ranked (those that fit first, fastest first)."""
+
+    candidates: tuple  # LayoutCandidate, ranked
+    budget_bytes: int
+    seconds: float  # how long the search took
+    traces: int  # steps traced
+
+    @property
+    def best(self) -> LayoutCandidate:
+        return self.candidates[0]
+
+    def find(self, **axes) -> list:
+        """The candidates with exactly these mesh axes (size-1 axes left out), e.g. `find(fsdp=32, tp=8)`."""
+        want = {k: v for k, v in axes.items() if v > 1}
+        return [c for c in self.candidates if c.axes == want]
+
+    def table(self, *, limit: int | None = None) -> str:
+        """The ranked candidates as a Markdown table (at most `limit` rows)."""
+        lines = [
+            f"budget {self.budget_bytes / _GIB:.1f} GiB per GPU; {len(self.candidates)} layouts, {self.traces} traces, "
+            f"{self.seconds:.1f} s",
+            "",
+            "| # | layout | step s | tokens/s/GPU | FLOPs util. | reserved GiB | exposed s | bubble | why |",
+            "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        ]
+        for i, c in enumerate(self.candidates[:limit], 1):
+            finite = math.isfinite(c.step_s)
+            lines.append(
+                f"| {i} | {c.label} | {c.step_s:.3f} | {c.tokens_per_s_per_gpu:,.0f} | {c.flops_utilization:.1%} | "
+                f"{c.reserved_bytes / _GIB:.1f} | {c.exposed_s:.3f} | {c.bubble:.3f} | {c.why} |"
+                if finite else f"| {i} | {c.label} | | | | | | | {c.why} |"
+            )
+        return "\n".join(lines)
+
+
+class _Figures(NamedTuple):
+    """One traced step's figures (or their per-layer slope / intercept: the same fields)."""
+
+    step_s: float
+    exposed_s: float
+    forward_s: float  # wall time of the forward phase (compute and waits)
+    backward_s: float
+    update_s: float  # compute time of the optimizer's update (early updates run inside the backward's span)
+    peak: float
+    resident: float
+    activations: float  # activations alive at the end of the forward (kept for the backward)
+    gathered: float  # full parameters (gather dtype) and full gradients (reduce dtype): what a stage holds gathered
+    first_gathered: float  # ... of those, the first unit's (the embedding: a pipeline's first stage holds it)
+    transient: float  # the most activation bytes alive at once beyond those kept for the backward
+    block_transient: float  # ... while a block (neither the first unit nor the last) runs its backward
+    flops: float
+
+    def line(self, other: "_Figures", d1: int, d2: int) -> tuple["_Figures", "_Figures"]:
+        """(slope per layer, intercept at depth 0) of the line through (d1, self) and (d2, other)."""
+        slope = _Figures(*((b - a) / (d2 - d1) for a, b in zip(self, other)))
+        return slope, _Figures(*(a - d1 * s for a, s in zip(self, slope)))
+
+    def at(self, intercept: "_Figures", layers: float) -> "_Figures":
+        return _Figures(*(i + layers * s for s, i in zip(self, intercept)))
+
+
+def plan_layouts(
+    build: Callable[[int, Any], tuple],
+    batch: Callable[[int], Any],
+    *,
+    layers: int,
+    world_size: int,
+    global_batch: int,
+    tokens_per_row: int,
+    machine: Machine,
+    budget_bytes: int,
+    optimizer,
+    precision=None,
+    schedule: Schedule | None = None,
+    space: LayoutSpace = LayoutSpace(),
+    depths: tuple[int, int] = (3, 6),
+    peak_flops: float = 0.0,
+) -> LayoutPlan:
+    """Predict every layout of `space` for a model of `layers` blocks on `world_size` GPUs and rank
+    them: those whose predicted reserved memory fits `budget_bytes` first, fastest first, each
+    with why it lost (see the module docstring for how each is priced).
+
+    Arguments:
+        build: `(num_layers, mesh) -> (loss_fn, params, placements)`: the model with that many
+            blocks, on the meta device, made for `mesh` (an `AbstractMesh`; with a `tp` axis,
+            `fs.tensor_parallel.parallelize`d on it and its rules as `placements`; else None).
+        batch: `rows -> batch`: one data-parallel rank's batch of `rows` sequences (meta tensors).
+        layers: the model's blocks (the depth figures are extended to).
+        world_size: GPUs.
+        global_batch: sequences per step over all data-parallel ranks (each layout's data-parallel
+            degree must divide it).
+        tokens_per_row: tokens per sequence (for tokens/s).
+        machine: the `Machine` of the cluster (`cluster_machine(gpu, world_size=...)`).
+        budget_bytes: memory per GPU (compared with the predicted reserved bytes).
+        optimizer / precision: as for `fs.sharded_step`.
+        schedule: the base `fs.Schedule` (its `remat` is replaced by each policy; default
+            `Schedule(reduce_scatters_in_flight=1)`, one reduce-scatter in flight as FSDP2).
+        space: the layouts to try (`LayoutSpace`).
+        depths: the two shallow depths traced.
+        peak_flops: the GPU's dense peak FLOP/s, for the FLOPs utilization (0: not reported).
+    """
+    if not (isinstance(depths, tuple) and len(depths) == 2 and 1 <= depths[0] < depths[1]):
+        raise ValueError(f"plan_layouts depths must be two depths 1 <= d1 < d2; got {depths!r}")
+    if layers < 1 or world_size < 1 or global_batch < 1:
+        raise ValueError(f"plan_layouts needs layers, world_size and global_batch >= 1; got {layers}, {world_size}, {global_batch}")
+    start = time.perf_counter()
+    base = schedule if schedule is not None else Schedule(reduce_scatters_in_flight=1)
+    tracer = _Tracer(build, batch, optimizer, precision, base, machine, depths)
+    candidates = []
+    for r, t, p in ((r, t, p) for r in space.replicate for t in space.tp for p in space.pp):
+        if world_size % (r * t * p):
+            continue
+        f = world_size // (r * t * p)
+        axes = {k: v for k, v in (("pp", p), ("replicate", r), ("fsdp", f), ("tp", t)) if v > 1} or {"fsdp": 1}
+        dp = r * f
+        if global_batch % dp:
+            candidates += [_failed(axes, label, "", 1, f"the global batch of {global_batch} does not cut into {dp} data-parallel ranks")
+                           for label, _ in space.remat]  # fmt: skip
+            continue
+        rows = global_batch // dp
+        if p == 1:
+            for label, remat in space.remat:
+                candidates.append(_flat(tracer, axes, (r, f, t), rows, label, remat, layers, world_size, global_batch,
+                                        tokens_per_row, peak_flops))  # fmt: skip
+            continue
+        for name in space.schedules:
+            v = Pipeline(name).virtual_stages()
+            for k in space.microbatches:
+                m = k * p
+                for label, remat in space.remat:
+                    if rows % m or layers < p * v:
+                        why = (f"{rows} rows per data-parallel rank do not cut into {m} micro-batches" if rows % m
+                               else f"{layers} layers cannot fill {p * v} stages")  # fmt: skip
+                        candidates.append(_failed(axes, label, name, m, why))
+                        continue
+                    candidates.append(_piped(tracer, axes, (r, f * p, t), p, name, v, m, rows // m, label, remat, layers,
+                                             world_size, global_batch, tokens_per_row, peak_flops))  # fmt: skip
+    if not any(math.isfinite(c.step_s) for c in candidates):
+        raise ValueError("plan_layouts: no layout of the space could be planned: " + "; ".join(sorted({c.why for c in candidates}))[:600])
+    ranked = _rank(candidates, budget_bytes)
+    return LayoutPlan(tuple(ranked), budget_bytes, time.perf_counter() - start, tracer.traces)
+
+
+class _Tracer:
+    """Traces each (mesh, rows, depth) once, unscheduled, and applies each checkpointing policy
+    to a copy of that trace (simulated on the machine)."""
+
+    def __init__(self, build, batch, optimizer, precision, base: Schedule, machine: Machine, depths):
+        self.build, self.batch, self.optimizer, self.precision = build, batch, optimizer, precision
+        self.base, self.machine, self.depths = base, machine, depths
+        self.traces = 0
+        self._unscheduled: dict = {}
+        self._figures: dict = {}
+
+    def line(self, dims: tuple, rows: int, remat, scale: int = 1) -> tuple[_Figures, _Figures]:
+        """(per-layer slope, intercept) of the step on mesh `dims` = (replicate, fsdp, tp) at `rows`
+        rows, traced at depths `scale * d` for d in `depths`."""
+        d1, d2 = (scale * d for d in self.depths)
+        a, b = (self.figures(dims, rows, d, remat) for d in (d1, d2))
+        return a.line(b, d1, d2)
+
+    def figures(self, dims: tuple, rows: int, depth: int, remat) -> _Figures:
+        key = (dims, rows, depth, _remat_key(remat))
+        if key not in self._figures:
+            compiled = self._schedule(dims, rows, depth, remat)
+            self._figures[key] = _read(compiled, self.machine)
+        return self._figures[key]
+
+    def _schedule(self, dims, rows, depth, remat):
+        from .._jit import lower_for_mesh
+        from .._make_step import sharded_step
+        from ..schedule import PassContext, apply_schedule
+        from ..schedule._graph import copy_graph
+
+        key = (dims, rows, depth)
+        if key not in self._unscheduled:
+            r, f, t = dims
+            axes = {k: v for k, v in (("replicate", r), ("fsdp", f), ("tp", t)) if v > 1 or k == "fsdp"}
+            mesh = AbstractMesh(axes)
+            loss_fn, params, placements = self.build(depth, mesh)
+            step = sharded_step(loss_fn, mesh, optimizer=self.optimizer, precision=self.precision, placements=placements,
+                                schedule=Schedule(passes=(), accumulate=self.base.accumulate, offload=self.base.offload,
+                                                  reshard_after_update=self.base.reshard_after_update))  # fmt: skip
+            self._unscheduled[key] = (step.lower(step.init_abstract(params), self.batch(rows)), mesh)
+            self.traces += 1
+        unscheduled, mesh = self._unscheduled[key]
+        # The passes and the lowering the jit applies (`scheduled_step`), on a copy that is analyzed,
+        # never run: no Python code is generated for it.
+        gm = apply_schedule(_GraphOnly(unscheduled.scheduled, copy_graph(unscheduled.scheduled)),
+                            dataclasses.replace(self.base, remat=remat), PassContext.for_mesh(mesh))  # fmt: skip
+        lower_for_mesh(gm, mesh)
+        return _Lowered(gm, unscheduled.io, unscheduled.key)
+
+
+class _GraphOnly(fx.GraphModule):
+    """A graph module to analyze, never to run: `recompile` (Python code generation, most of the
+    passes' cost on a large graph) does nothing."""
+
+    def recompile(self):
+        return None
+
+
+class _Lowered(NamedTuple):
+    """What `simulate` reads of a `CompiledStep`."""
+
+    graph_module: fx.GraphModule
+    io: Any
+    key: Any
+
+
+def _remat_key(remat):
+    return remat if isinstance(remat, (bool, RematPolicy)) else repr(remat)
+
+
+def _read(compiled, machine: Machine) -> _Figures:
+    from .. import schedule as schedule_lib
+
+    gm = compiled.graph_module
+    sim = simulate(compiled, machine)
+    spans = {e.phase: e.duration_us / 1e6 for e in sim.timeline if e.category == "phase"}
+    held = [c for c in schedule_lib.parameter_collectives(gm)  # FSDP's: the forward's gathers and the reductions
+            if (c.kind == "all_gather" and c.phase == "forward") or c.kind == "reduce_scatter"]  # fmt: skip
+    first_unit = next((c.unit for c in held if c.kind == "all_gather"), None)
+    saved, transient, block_transient = _activations(compiled)
+    return _Figures(
+        sim.step_s, sim.exposed_s, spans.get("forward", 0.0), spans.get("backward", 0.0), sim.phases.get("update", 0.0),
+        float(sim.memory.peak), float(sim.memory.resident), float(saved), float(sum(c.nbytes for c in held)),
+        float(sum(c.nbytes for c in held if c.unit == first_unit)), float(transient), float(block_transient),
+        float(sum(node_cost(n).flops for n in gm.graph.nodes if n.op == "call_function")),
+    )  # fmt: skip
+
+
+def _activations(compiled) -> tuple[int, int, int]:
+    """(bytes of activations alive at the end of the forward: what the forward keeps for the
+    backward, and what each micro-batch in flight holds under a pipeline; the most bytes of other
+    activations and update temporaries alive at once: the working set on top; the same while a
+    block, not the first or last unit, runs its backward)."""
+    from .. import schedule as schedule_lib
+    from ..schedule._liveness import lifetimes
+    from ._memory import _categories
+    from ._regions import node_roles
+
+    gm = compiled.graph_module
+    nodes = list(gm.graph.nodes)
+    end = nodes.index(schedule_lib.forward_end(gm))
+    storage_of, first, last, size, root = lifetimes(nodes)
+    category = _categories(nodes, storage_of, root, node_roles(gm), compiled.io)
+    working = [k for k in first if category[k] in ("activations", "update_temporaries")]
+    saved = [k for k in working if category[k] == "activations" and first[k] <= end < last[k]]
+    delta = [0] * (len(nodes) + 1)
+    for k in set(working) - set(saved):
+        delta[first[k]] += size[k]
+        delta[last[k] + 1] -= size[k]
+    alive, curve = 0, []
+    for d in delta[:-1]:
+        alive += d
+        curve.append(alive)
+    regions = node_roles(gm).regions
+    order = [r.unit for r in sorted((r for r in regions if r.phase == "forward"), key=lambda r: r.start)]
+    ends = {order[0], order[-1]} if order else set()
+    blocks = [max(curve[r.start : r.end + 1], default=0) for r in regions if r.phase == "backward" and r.unit not in ends]
+    return sum(size[k] for k in saved), max(curve, default=0), max(blocks, default=0)
+
+
+def _failed(axes, remat: str, schedule: str, m: int, why: str) -> LayoutCandidate:
+    return LayoutCandidate(axes, remat, schedule, m, math.inf, 0.0, 0.0, 0, 0, math.inf, 0.0, False, why)
+
+
+def _flat(tracer: _Tracer, axes, dims, rows, label, remat, layers, world, global_batch, tokens, peak_flops) -> LayoutCandidate:
+    try:
+        slope, intercept = tracer.line(dims, rows, remat)
+    except Exception as error:  # noqa: BLE001 - a layout the model or the step refuses is a rejected candidate
+        return _failed(axes, label, "", 1, f"not plannable: {type(error).__name__}: {str(error)[:160]}")
+    at = slope.at(intercept, layers)
+    reserved = round(at.peak * (1 + tracer.machine.allocator_overhead))
+    return LayoutCandidate(
+        axes, label, "", 1, at.step_s, global_batch * tokens / at.step_s / world,
+        at.flops / at.step_s / peak_flops if peak_flops else 0.0, reserved, round(at.peak), at.exposed_s, 0.0, True, "",
+    )  # fmt: skip
+
+
+def _piped(tracer: _Tracer, axes, dims, p, name, v, m, mb_rows, label, remat, layers, world, global_batch, tokens,
+           peak_flops) -> LayoutCandidate:  # fmt: skip
+    try:
+        slope, intercept = tracer.line(dims, mb_rows, remat)
+        sent = tracer.line(dims, mb_rows, True)[0].activations  # full remat saves each layer's input: what crosses
+    except Exception as error:  # noqa: BLE001
+        return _failed(axes, label, name, m, f"not plannable: {type(error).__name__}: {str(error)[:160]}")
+    machine = tracer.machine
+    r, f, t = dims  # the traced mesh: the pipeline's ranks laid out as data parallelism (fsdp p times larger)
+    shards = p  # so a rank of the pipeline holds p times the shard of the traced one: state and update scale
+    schedule = build_schedule(Pipeline(name, stages_per_rank=v), p, m)
+    stages = p * v
+    per_stage = [layers // stages + (1 if s < layers % stages else 0) for s in range(stages)]
+    hop = _p2p_seconds(machine, sent, stride=r * f * t // p)
+    costs = {}
+    for s, k in enumerate(per_stage):
+        last = s == stages - 1
+        forward = k * slope.forward_s + (intercept.forward_s if last else 0.0)
+        backward = k * slope.backward_s + (intercept.backward_s if last else 0.0)
+        costs[s] = Costs(forward=forward, backward=backward, input_grad=backward / 2, weight_grad=backward / 2, p2p=hop)
+    timeline = analyze_pipeline(schedule.compute_only(), costs)
+    held = [[s for s in range(stages) if schedule.rank_of(s) == rank] for rank in range(p)]
+    # per micro-batch figures (slope/intercept) -> per step: FSDP's collectives and the update happen once
+    ends = max(0.0, intercept.exposed_s)  # the first gather and the last reduce-scatter, as in the traced step
+    # The model's leaves outside the blocks (the line's intercept): the first unit's (the embedding)
+    # on the first stage, the rest (final norm, head, loss) on the last.
+    first = intercept.first_gathered / intercept.gathered if intercept.gathered > 0 else 0.0
+    steps, peaks, flops = [], [], 0.0
+    for rank in range(p):
+        k = sum(per_stage[s] for s in held[rank])
+        has_first, has_last = 0 in held[rank], stages - 1 in held[rank]
+        share = (first if has_first else 0.0) + (1 - first if has_last else 0.0)
+        update = shards * (k * slope.update_s + share * intercept.update_s)
+        steps.append(update)
+        state = shards * (k * slope.resident + share * intercept.resident)
+        gathered = k * slope.gathered + share * intercept.gathered
+        in_flight = sum(timeline.peak_in_flight[s] * per_stage[s] * slope.activations for s in held[rank])
+        # the working set on top: the loss's on the last stage (the traced step's most), a block's elsewhere
+        working = intercept.transient + slope.transient if has_last else intercept.block_transient + slope.block_transient
+        peaks.append(state + gathered + in_flight + working)
+        flops += m * (k * slope.flops + (intercept.flops if has_last else 0.0))
+    step_s = timeline.makespan + ends + max(steps)
+    peak = max(peaks)
+    busy = max(timeline.busy)
+    return LayoutCandidate(
+        axes, label, name, m, step_s, global_batch * tokens / step_s / world,
+        flops / p / step_s / peak_flops if peak_flops else 0.0, round(peak * (1 + machine.allocator_overhead)), round(peak),
+        step_s - busy - max(steps), max(timeline.bubble), True, "",
+    )  # fmt: skip
+
+
+def _p2p_seconds(machine: Machine, nbytes: float, *, stride: int) -> float:
+    """One send of `nbytes` to the pipeline neighbour `stride` ranks away: over NVLink within a
+    node, else over the network (one NIC per GPU)."""
+    same_node = machine.ranks_per_node and stride < machine.ranks_per_node
+    bandwidth = machine.collective_bandwidth.get("all_gather", 0.0) if same_node or not machine.network_bandwidth else machine.network_bandwidth
+    latency = machine.collective_latency_s.get("all_gather", 0.0) + (0.0 if same_node else machine.network_latency_s)
+    return latency + nbytes / bandwidth if bandwidth else latency
+
+
+def _rank(candidates: list, budget: int) -> list:
+    candidates = [c._replace(fits=c.reserved_bytes <= budget) if math.isfinite(c.step_s) else c for c in candidates]
+    ranked = sorted(candidates, key=lambda c: (not c.fits, c.step_s, c.reserved_bytes))
+    best = next((c for c in ranked if c.fits), None)
+    out = []
+    for c in ranked:
+        if c.why:
+            out.append(c)
+        elif not c.fits:
+            out.append(c._replace(why=f"needs {c.reserved_bytes / _GIB:.1f} GiB, over the budget of {budget / _GIB:.1f} GiB"))
+        elif c is best:
+            out.append(c._replace(why=f"fastest that fits ({c.reserved_bytes / _GIB:.1f} GiB)"))
+        else:
+            out.append(c._replace(why=_why_slower(c, best)))
+    return out
+
+
+def _why_slower(c: LayoutCandidate, best: LayoutCandidate) -> str:
+    ratio = c.step_s / best.step_s
+    reasons = []
+    if c.bubble > best.bubble + 0.02:
+        reasons.append(f"pipeline bubble {c.bubble:.2f}")
+    if c.exposed_s > best.exposed_s * 1.2 + 1e-3:
+        reasons.append(f"{c.exposed_s:.2f} s exposed communication vs {best.exposed_s:.2f}")
+    if c.flops_utilization and best.flops_utilization and c.flops_utilization * c.step_s > 1.05 * best.flops_utilization * best.step_s:
+        reasons.append("more FLOPs (recomputation)")
+    return f"{ratio:.2f}x the best's time" + (": " + ", ".join(reasons) if reasons else "")
