@@ -173,7 +173,7 @@ def main() -> None:
         if row.name not in args.rows.split(","):
             continue
         analysis, compiled, seconds = plan_row(row)
-        if args.fit:
+        if args.fit and row.memory_gib:
             print(f"fit on {row.name}: matmul efficiency {{:.4f}}, allocator overhead {{:.4f}}".format(*fit(row, analysis, compiled)))
         p = predict(row, analysis, compiled)
         memory = f"{row.memory_gib:>14.1f}{p.reserved_gib:>10.1f}{100 * (p.reserved_gib / row.memory_gib - 1):>+7.1f}%" if row.memory_gib else f"{'-':>14}{p.reserved_gib:>10.1f}{'':>8}"

@@ -1,0 +1,134 @@
+"""`fs.analysis.plan_layouts`: every replicate x fsdp x tp x pp layout of a model, ranked, from shallow
+traces extended in depth.
+
+- Depth: a layout's predicted step time, peak and reserved bytes and FLOPs at the model's depth,
+  read from traces at 3 and 6 blocks, are the figures of the full-depth step planned and
+  simulated directly (`fs.analysis.plan` + `simulate`), to rounding, with and without tensor
+  parallelism and for every checkpointing policy.
+- Ranking: layouts that fit the budget first, fastest first; each loser says why (over the budget
+  by how much, or how much slower and what costs it); layouts that cannot be planned (a batch
+  that does not cut, a degree the model refuses) are listed with the reason, never dropped.
+- Pipelines: the interleaved schedule's bubble is smaller than 1F1B's at the same micro-batches,
+  more micro-batches shrink 1F1B's bubble, and tokens per second are the batch's over the time.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import functional_shard as fs
+from functional_shard import tensor_parallel as tp
+from functional_shard.models import GPT, GPTConfig
+
+BASE = dict(vocab_size=256, block_size=64, n_head=4, d_model=64)
+LENGTH = 64
+PRECISION = fs.Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def build(layers: int, mesh):
+    config = GPTConfig(**BASE, n_layer=layers)
+    with torch.device("meta"):
+        model = GPT(config)
+    rules = None
+    if "tp" in mesh.axis_names:
+        rules = tp.gpt_rules(config)
+        tp.parallelize(model, rules, mesh)
+    apply_fn, params = fs.functionalize(model)
+
+    def loss_fn(p, batch):
+        ids, targets = batch
+        logits = apply_fn(p, ids).flatten(0, 1)
+        if rules is not None:
+            return tp.vocab_parallel_cross_entropy(logits, targets.flatten(), mesh, "tp")
+        return F.cross_entropy(logits, targets.flatten())
+
+    return loss_fn, params, rules
+
+
+def batch(rows: int):
+    ids = torch.empty(rows, LENGTH, dtype=torch.long, device="meta")
+    return ids, ids
+
+
+MACHINE = fs.analysis.cluster_machine(fs.analysis.H100_SXM, world_size=8)
+OPTIMIZER = fs.optim.adamw(lr=1e-3)
+
+
+def search(space, *, layers=8, budget=1 << 30, global_batch=32):
+    return fs.analysis.plan_layouts(
+        build, batch, layers=layers, world_size=8, global_batch=global_batch, tokens_per_row=LENGTH, machine=MACHINE,
+        budget_bytes=budget, optimizer=OPTIMIZER, precision=PRECISION, space=space,
+        peak_flops=fs.analysis.H100_SXM.dense_flops["bfloat16"],
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def flat():
+    return search(fs.analysis.LayoutSpace(tp=(1, 2), pp=(1,)), layers=10)
+
+
+@pytest.mark.parametrize("axes", [{"fsdp": 8}, {"fsdp": 4, "tp": 2}])
+def test_depth_extension_is_the_full_depth_plan(flat, axes):
+    mesh = fs.analysis.AbstractMesh(axes)
+    for label, remat in fs.analysis.LayoutSpace().remat:
+        loss_fn, params, rules = build(10, mesh)
+        analysis, compiled = fs.analysis.plan(
+            loss_fn, params, batch(32 // axes["fsdp"]), mesh=mesh, optimizer=OPTIMIZER, precision=PRECISION, placements=rules,
+            schedule=fs.Schedule(reduce_scatters_in_flight=1, remat=remat),
+        )  # fmt: skip
+        sim = fs.analysis.simulate(compiled, MACHINE)
+        (c,) = [c for c in flat.find(**axes) if c.remat == label]
+        assert math.isclose(c.step_s, sim.step_s, rel_tol=1e-9), (label, c.step_s, sim.step_s)
+        assert math.isclose(c.exposed_s, sim.exposed_s, rel_tol=1e-6, abs_tol=1e-12), label
+        assert abs(c.peak_bytes - sim.memory.peak) <= 2 and abs(c.reserved_bytes - sim.reserved) <= 2, (label, c, sim.memory.peak)
+        assert math.isclose(c.flops_utilization * c.step_s * fs.analysis.H100_SXM.dense_flops["bfloat16"], analysis.flops, rel_tol=1e-9)
+        assert math.isclose(c.tokens_per_s_per_gpu, 32 * LENGTH / sim.step_s / 8, rel_tol=1e-9)
+
+
+def test_ranked_fitting_first_fastest_first_and_every_loser_says_why(flat):
+    ranked = list(flat.candidates)
+    fits = [c for c in ranked if c.fits]
+    assert fits and ranked[: len(fits)] == fits  # those that fit first
+    assert [c.step_s for c in fits] == sorted(c.step_s for c in fits)
+    assert flat.best.why.startswith("fastest that fits")
+    assert all(c.why for c in ranked)
+    assert all("x the best's time" in c.why for c in fits[1:])
+    assert "| # | layout |" in flat.table(limit=3) and len(flat.table(limit=3).splitlines()) == 7
+    # a budget below the smallest peak: nothing fits, each says by how much
+    tight = search(fs.analysis.LayoutSpace(tp=(1,), pp=(1,), remat=(("full", True),)), budget=1 << 10)
+    (c,) = tight.candidates
+    assert not c.fits and c.why.startswith("needs ") and "over the budget of" in c.why
+
+
+def test_layouts_that_cannot_be_planned_are_listed_with_the_reason():
+    # 4 heads: tp 8 cannot split them; a global batch of 12 does not cut into 8 data-parallel ranks
+    result = search(fs.analysis.LayoutSpace(tp=(1, 2, 8), pp=(1,), remat=(("none", False),)), global_batch=12)
+    reasons = {tuple(sorted(c.axes.items())): c.why for c in result.candidates}
+    assert "not plannable" in reasons[(("tp", 8),)] and "cannot be split over axis 'tp'" in reasons[(("tp", 8),)]
+    assert "does not cut into 8 data-parallel ranks" in reasons[(("fsdp", 8),)]
+    assert result.best.axes == {"fsdp": 4, "tp": 2} and result.best.fits
+    with pytest.raises(ValueError, match="no layout of the space could be planned"):
+        search(fs.analysis.LayoutSpace(tp=(8,), pp=(1,), remat=(("none", False),)))
+
+
+def test_pipelines_bubble_and_throughput():
+    result = search(fs.analysis.LayoutSpace(tp=(1,), pp=(2,), remat=(("full", True),), microbatches=(1, 2)), layers=8)
+    by = {(c.schedule, c.microbatches): c for c in result.candidates}
+    assert by[("interleaved_1f1b", 2)].bubble < by[("1f1b", 2)].bubble
+    assert by[("1f1b", 4)].bubble < by[("1f1b", 2)].bubble
+    for c in result.candidates:
+        assert c.axes == {"pp": 2, "fsdp": 4} and 0 < c.bubble < 1 and c.exposed_s > 0
+        assert math.isclose(c.tokens_per_s_per_gpu, 32 * LENGTH / c.step_s / 8, rel_tol=1e-9)
+
+
+def test_space_is_checked():
+    with pytest.raises(ValueError, match="LayoutSpace.tp"):
+        fs.analysis.LayoutSpace(tp=())
+    with pytest.raises(ValueError, match="remat"):
+        fs.analysis.LayoutSpace(remat=(True,))
+    with pytest.raises(Exception, match="unknown pipeline schedule"):
+        fs.analysis.LayoutSpace(schedules=("2f2b",))
