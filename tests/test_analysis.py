@@ -37,8 +37,9 @@ def meta_batch(batch: int = 2, sequence: int = 32):
     return tokens, tokens
 
 
+# Rank 0 with -m slow (suite time): rank 3's slot (an offset) at every prefetch here.
 @pytest.mark.parametrize("prefetch", [0, 1, 2])
-@pytest.mark.parametrize("rank", [0, 3])
+@pytest.mark.parametrize("rank", [pytest.param(0, marks=pytest.mark.slow), 3])
 def test_mixed_precision_casts_each_shard_into_its_gathers_slot_right_before_it(prefetch, rank):
     # bf16 gathers: each all-gather (forward, and the backward's again) casts the fp32 shard
     # right before it, into this rank's slot of the buffer it gathers into (as FSDP2 does), so
@@ -104,7 +105,10 @@ def test_a_reduce_scatter_is_waited_before_the_next_ones_buffer_is_built(bf16):
             assert position[earlier.issue] < position[earlier.wait] < position[node], (earlier.unit, later.unit)
 
 
-@pytest.mark.parametrize("world", [1, 8, 64, 1024])
+# 64 and 1024 ranks with -m slow (suite time): the same laws at 8 (and one rank's none) here.
+@pytest.mark.parametrize(
+    "world", [1, 8, pytest.param(64, marks=pytest.mark.slow), pytest.param(1024, marks=pytest.mark.slow)]
+)
 @pytest.mark.parametrize("reshard", [True, False])
 def test_bytes_per_step_are_3psi_or_2psi(world, reshard):
     apply_fn, params = meta_gpt()
@@ -257,6 +261,12 @@ def _measured_peaks(mesh, precision):
     return predicted, peaks
 
 
+# With -m slow (~30-40 s, 8 measured steps): the predicted peak is MemTracker's to 0.1% in the
+# default set on real ranks in test_remat.py::test_selective_remat_peak_is_predicted (bf16 GPT,
+# with and without remat) and, over 2 steps, test_tp_analysis.py's
+# test_parameter_and_optimizer_bytes_are_16_psi_over_fsdp_tp_exactly; the release points that keep
+# it the same every step in test_reduce_scatter_buffers_are_freed_at_a_point_of_the_graph.
+@pytest.mark.slow
 def test_predicted_peak_is_what_memtracker_measures_on_every_rank_and_step(local_world):
     # Real ranks, bf16 mixed precision on the GPT benchmark's model: MemTracker's peak is the
     # same on every step (to a few scalars, which gloo's thread still releases: 16 bytes) and
@@ -473,7 +483,8 @@ def test_simulator_benchmark_quick_mode_runs_and_reports():
     assert "within 15%" in out.stdout
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
+# 2 ranks with -m slow (suite time): 1 and 4 ranks, both batches, here.
+@pytest.mark.parametrize("world", [1, pytest.param(2, marks=pytest.mark.slow), 4])
 @pytest.mark.parametrize("batch", [1, 8])
 def test_gradients_in_place_never_raises_the_peak(world, batch):
     # The lowering computes a unit's gradients into its flat buffer (mm.out / sum.out into the

@@ -228,6 +228,11 @@ def test_gpt_dropout_same_bits_at_1_2_4_ranks_traced_and_eager(local_world):
     assert_same(reference, joined(local_world(4).run(train, "gpt", "fp32", 3, True)), "world 4 traced")
 
 
+# With -m slow (~25 s, a hybrid world of its own): layout invariance of the step in
+# test_gpt_dropout_same_bits_at_1_2_4_ranks_traced_and_eager; the tree over replicate x fsdp layouts
+# in test_reduce_and_chunk_values_give_the_tree_on_a_simulated_mesh; the Llama in bf16 at every
+# layout in test_canonical_soak.py (slow).
+@pytest.mark.slow
 def test_llama_bf16_weighted_padding_same_bits_at_1_and_replicate2_fsdp2(local_world):
     """Hugging Face Llama, bf16 params / fp32 reduce, padding, -100 labels, fs.WeightedLoss,
     clip + AdamW, G = 8, 3 steps: world size 1 (eager) and {"replicate": 2, "fsdp": 2} (traced)

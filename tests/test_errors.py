@@ -244,6 +244,10 @@ def returns_rank_info():
     return {"rank": mesh.rank, "world": mesh.world_size, "threads": torch.get_num_threads()}
 
 
+# With -m slow (suite time): rank 0's result, world and one thread per rank in
+# test_launch.py::test_one_call_runs_main_under_a_local_launch_and_under_torchrun and
+# test_rank_zero_returns_a_state_dict_and_2000_tensors.
+@pytest.mark.slow
 def test_launch_returns_rank_zero_result():
     assert fs.launch(returns_rank_info, world_size=2) == {"rank": 0, "world": 2, "threads": 1}
 

@@ -54,6 +54,10 @@ def assert_png(path: Path) -> None:
     assert path.stat().st_size > 10_000, "the loss curve is suspiciously small"
 
 
+# The full-length run (300 steps) with -m slow (~40-50 s): train_gpt.py runs and learns in the
+# default set under torchrun (test_torchrun_two_nodes_on_loopback_train_the_example), fs.launch
+# from a user's script in test_the_getting_started_script_runs_as_written.
+@pytest.mark.slow
 def test_train_gpt_example_loss_falls_by_30_percent(tmp_path):
     run = run_example(str(EXAMPLES / "train_gpt.py"), "--out", str(tmp_path))
     assert run.returncode == 0, run.stderr[-4000:]
@@ -66,6 +70,10 @@ def test_train_gpt_example_loss_falls_by_30_percent(tmp_path):
     assert_no_leak_warnings(run.stderr)
 
 
+# With -m slow (~20 s): every schedule's bits against the eager reference in
+# test_jit.py::test_every_schedule_is_bit_identical_to_eager, the events table (gather_issued,
+# reduce_scatter_waited) in test_jit.py::test_cache_retraces_on_new_signature_and_explains.
+@pytest.mark.slow
 def test_schedules_example_shows_bit_identical_schedules():
     run = run_example(str(EXAMPLES / "schedules.py"), "--steps", "2")
     assert run.returncode == 0, run.stderr[-4000:]
@@ -106,6 +114,9 @@ def test_hf_llama_example_trains_resumes_and_exports(tmp_path):
     assert logits.shape == (1, 4, 259) and bool(torch.isfinite(logits).all())
 
 
+# With -m slow (~20 s): the example runs in test_hf_llama_example_trains_resumes_and_exports; remat
+# with micro-batches on a Hugging Face Llama in test_remat.py::test_remat_with_microbatches_on_a_hugging_face_llama.
+@pytest.mark.slow
 def test_hf_llama_example_remat_flag(tmp_path):
     pytest.importorskip("transformers")
     script = str(EXAMPLES / "train_hf_llama.py")

@@ -138,7 +138,10 @@ def same_bits_as_default(mesh, cases: list, units) -> dict:
 WORLDS = {1: [CASES[6], CASES[7], CASES[4]], 2: CASES, 4: [CASES[12], CASES[11]]}
 
 
-@pytest.mark.parametrize("world_size", sorted(WORLDS))
+# 4 ranks with -m slow (suite time): every case at 2 ranks (the same checks, and some units only) and one rank here.
+@pytest.mark.parametrize(
+    "world_size", [pytest.param(w, marks=pytest.mark.slow) if w == 4 else w for w in sorted(WORLDS)]
+)
 def test_offload_gives_the_default_bits_with_copies_in_place(local_world, world_size):
     runs = [(True, WORLDS[world_size])] + ([(UNITS, WORLDS[4])] if world_size == 2 else [])  # some units only: a few cases
     for units, cases in runs:

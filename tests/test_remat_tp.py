@@ -53,7 +53,7 @@ def _kept_per_layer(layers: tuple[int, int], remat, sequence_parallel: bool) -> 
     return (peaks[1] - peaks[0]) / (layers[1] - layers[0]), block_input
 
 
-@pytest.mark.parametrize("sequence_parallel", [False, True])
+@pytest.mark.parametrize("sequence_parallel", [pytest.param(False, marks=pytest.mark.slow), True])  # the tails: both; collectives: SP
 def test_full_remat_keeps_one_block_input_per_layer(sequence_parallel):
     kept, block_input = _kept_per_layer((3, 6), True, sequence_parallel)
     assert kept == block_input, (kept, block_input)

@@ -390,6 +390,10 @@ def test_llama_by_its_own_plan_trains_like_single_process(local_world, llama_ref
     assert activations == [bsh] * (4 * 2 + 1), report["tp_all_reduce_bytes"]
 
 
+# With -m slow (~12 s): the GPT by gpt_rules (vocabulary-parallel embedding, tied head and
+# cross-entropy) against single-process training in test_tp_compose.py ({"fsdp": 2, "tp": 2});
+# against torch's tensor parallelism the Llama above.
+@pytest.mark.slow
 def test_gpt_at_tp4_trains_like_single_process(local_world):
     reference = single_gpt()
     report = local_world(4).run(gpt_tensor_parallel, {"tp": 4})[0]

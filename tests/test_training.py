@@ -148,7 +148,10 @@ def hf_train(mesh, arch: str, seed: int = 0, summed: bool = False, control: bool
     return report
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+# World size 4 with -m slow (suite time): both models at 2 here; the padded, token-weighted
+# Llama on 4 ranks against single-process training in test_tp_step.py ({"fsdp": 2, "tp": 2})
+# and test_pipeline_step.py ({"pp": 2, "fsdp": 2}).
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_hf_models_with_padding_train_like_single_process(local_world, arch, world_size):
     pytest.importorskip("transformers")
@@ -374,7 +377,9 @@ def accumulation(mesh, accumulate: str, once: bool = False):
     return out
 
 
-@pytest.mark.parametrize("accumulate", ["sharded", "full"])
+# "sharded" with -m slow (suite time): k = 1, 2, 4 sharded equal one big batch, with its k
+# reduce-scatters, in test_microbatches_gather_each_unit_once_per_step[2-sharded].
+@pytest.mark.parametrize("accumulate", [pytest.param("sharded", marks=pytest.mark.slow), "full"])
 def test_microbatches_equal_one_big_batch(local_world, accumulate):
     out = local_world(2).run(accumulation, accumulate)[0]
     for k, r in out.items():
@@ -388,7 +393,17 @@ def test_microbatches_equal_one_big_batch(local_world, accumulate):
     assert out[4]["gather"] > out[1]["gather"]
 
 
-@pytest.mark.parametrize("world_size, accumulate", [(2, "sharded"), (2, "full"), (3, "sharded")])
+# (2, "full") and (3, "sharded") with -m slow (suite time): "full" accumulation (one reduce-scatter)
+# in test_microbatches_equal_one_big_batch[full]; 3 ranks (padding) in test_early_update.py's
+# test_in_place_updates_run_early_with_the_eager_bits.
+@pytest.mark.parametrize(
+    "world_size, accumulate",
+    [
+        (2, "sharded"),
+        pytest.param(2, "full", marks=pytest.mark.slow),
+        pytest.param(3, "sharded", marks=pytest.mark.slow),
+    ],
+)
 def test_microbatches_gather_each_unit_once_per_step(local_world, world_size, accumulate):
     """`Schedule(reshard_after_forward=False, reshard_after_backward=False)`: each unit is
     gathered once per step however many micro-batches (FSDP2's set_reshard_after_backward(False)),
@@ -430,7 +445,9 @@ def accumulation_memory(mesh, accumulate: str):
     return peaks
 
 
-@pytest.mark.parametrize("accumulate", ["sharded", "full"])
+# "sharded" with -m slow (suite time): the same bound on "full" here, and with sharded micro-batches
+# (and remat) in test_remat.py::test_remat_with_microbatches_keeps_one_microbatch_of_activations[sharded].
+@pytest.mark.parametrize("accumulate", [pytest.param("sharded", marks=pytest.mark.slow), "full"])
 def test_microbatches_keep_one_microbatch_of_activations(local_world, accumulate):
     peaks = local_world(2).run(accumulation_memory, accumulate)[0]
     assert peaks[4] < 0.6 * peaks[1], peaks
@@ -470,7 +487,9 @@ def grad_norms(mesh, axes):
     return relative, error(exported.__getitem__), error(lambda n: ddp.module.get_parameter(n).detach())
 
 
-@pytest.mark.parametrize("axes", [None, {"replicate": 2, "fsdp": 2}])
+# The hybrid mesh with -m slow (~20 s: a world of its own): grad norm and clipping on
+# {"replicate": 2, "fsdp": 2} against torch in test_optim_compose.py::test_clip_adamw_sharded_step_matches_torch_hybrid.
+@pytest.mark.parametrize("axes", [None, pytest.param({"replicate": 2, "fsdp": 2}, marks=pytest.mark.slow)])
 def test_grad_norm_and_clipping_match_torch(local_world, axes):
     world = local_world(2) if axes is None else fs.testing.LocalWorld(4, axes=axes)
     try:

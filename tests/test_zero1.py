@@ -103,7 +103,10 @@ def same_bits_as_default(mesh, kind: str, cases: list) -> dict:
 WORLDS = {1: (("mlp", "gpt"), [CASES[3], CASES[2]]), 2: (("mlp", "gpt"), CASES), 4: (("mlp", "gpt"), [CASES[6], CASES[2]])}
 
 
-@pytest.mark.parametrize("world_size", sorted(WORLDS))
+# 4 ranks with -m slow (suite time): every case at 2 ranks (the same checks) and one rank here.
+@pytest.mark.parametrize(
+    "world_size", [pytest.param(w, marks=pytest.mark.slow) if w == 4 else w for w in sorted(WORLDS)]
+)
 def test_zero1_gives_the_default_bits_and_gathers_once(local_world, world_size):
     kinds, cases = WORLDS[world_size]
     for kind in kinds:

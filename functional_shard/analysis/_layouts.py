@@ -56,6 +56,7 @@ from ..schedule import RematPolicy, Schedule
 from ._abstract import AbstractMesh
 from ._costs import node_cost
 from ._machine import Machine
+from ._ranking import rank_with_reasons
 from ._simulate import simulate
 
 __all__ = ["LayoutSpace", "LayoutCandidate", "LayoutPlan", "plan_layouts"]
@@ -163,8 +164,9 @@ class _Figures(NamedTuple):
 
     step_s: float
     exposed_s: float
-    forward_s: float  # wall time of the forward phase (compute and waits)
-    backward_s: float
+    forward_s: float  # the forward's computation and its waits for tensor-parallel collectives
+    backward_s: float  # ... the backward's (recomputation included)
+    fsdp_s: float  # FSDP's collectives: the forward's all-gathers and the reduce-scatters, as priced on the link
     update_s: float  # compute time of the optimizer's update (early updates run inside the backward's span)
     peak: float
     resident: float
@@ -342,13 +344,17 @@ def _read(compiled, machine: Machine) -> _Figures:
 
     gm = compiled.graph_module
     sim = simulate(compiled, machine)
-    spans = {e.phase: e.duration_us / 1e6 for e in sim.timeline if e.category == "phase"}
+    tp_waits = {phase: sum(e.duration_us for e in sim.timeline if e.category == "wait" and e.phase == phase
+                           and e.name.startswith("wait tp")) / 1e6 for phase in ("forward", "backward")}  # fmt: skip
+    fsdp = sum(e.duration_us for e in sim.timeline if e.category == "collective" and (
+        (e.name.startswith("all_gather") and e.phase == "forward") or e.name.startswith("reduce_scatter"))) / 1e6
     held = [c for c in schedule_lib.parameter_collectives(gm)  # FSDP's: the forward's gathers and the reductions
             if (c.kind == "all_gather" and c.phase == "forward") or c.kind == "reduce_scatter"]  # fmt: skip
     first_unit = next((c.unit for c in held if c.kind == "all_gather"), None)
     saved, transient, block_transient = _activations(compiled)
     return _Figures(
-        sim.step_s, sim.exposed_s, spans.get("forward", 0.0), spans.get("backward", 0.0), sim.phases.get("update", 0.0),
+        sim.step_s, sim.exposed_s, sim.phases["forward"] + tp_waits["forward"], sim.phases["backward"] + tp_waits["backward"],
+        fsdp, sim.phases.get("update", 0.0),
         float(sim.memory.peak), float(sim.memory.resident), float(saved), float(sum(c.nbytes for c in held)),
         float(sum(c.nbytes for c in held if c.unit == first_unit)), float(transient), float(block_transient),
         float(sum(node_cost(n).flops for n in gm.graph.nodes if n.op == "call_function")),
@@ -426,18 +432,21 @@ def _piped(tracer: _Tracer, axes, dims, p, name, v, m, mb_rows, label, remat, la
         costs[s] = Costs(forward=forward, backward=backward, input_grad=backward / 2, weight_grad=backward / 2, p2p=hop)
     timeline = analyze_pipeline(schedule.compute_only(), costs)
     held = [[s for s in range(stages) if schedule.rank_of(s) == rank] for rank in range(p)]
-    # per micro-batch figures (slope/intercept) -> per step: FSDP's collectives and the update happen once
-    ends = max(0.0, intercept.exposed_s)  # the first gather and the last reduce-scatter, as in the traced step
+    # per micro-batch figures (slope/intercept) -> per step: FSDP's collectives and the update happen once.
+    # A rank's gathers and reduce-scatters run beside its pipeline's computation; exposed: what does not
+    # fit in its busy time, and at least the first layer's gather and the last one's reduce-scatter.
     # The model's leaves outside the blocks (the line's intercept): the first unit's (the embedding)
     # on the first stage, the rest (final norm, head, loss) on the last.
     first = intercept.first_gathered / intercept.gathered if intercept.gathered > 0 else 0.0
-    steps, peaks, flops = [], [], 0.0
+    steps, exposed, peaks, flops = [], [], [], 0.0
     for rank in range(p):
         k = sum(per_stage[s] for s in held[rank])
         has_first, has_last = 0 in held[rank], stages - 1 in held[rank]
         share = (first if has_first else 0.0) + (1 - first if has_last else 0.0)
         update = shards * (k * slope.update_s + share * intercept.update_s)
-        steps.append(update)
+        fsdp = k * slope.fsdp_s + share * intercept.fsdp_s
+        exposed.append(max(slope.fsdp_s, fsdp - timeline.busy[rank]))
+        steps.append(update + exposed[-1])
         state = shards * (k * slope.resident + share * intercept.resident)
         gathered = k * slope.gathered + share * intercept.gathered
         in_flight = sum(timeline.peak_in_flight[s] * per_stage[s] * slope.activations for s in held[rank])
@@ -445,13 +454,13 @@ def _piped(tracer: _Tracer, axes, dims, p, name, v, m, mb_rows, label, remat, la
         working = intercept.transient + slope.transient if has_last else intercept.block_transient + slope.block_transient
         peaks.append(state + gathered + in_flight + working)
         flops += m * (k * slope.flops + (intercept.flops if has_last else 0.0))
-    step_s = timeline.makespan + ends + max(steps)
+    step_s = timeline.makespan + max(steps)
     peak = max(peaks)
     busy = max(timeline.busy)
     return LayoutCandidate(
         axes, label, name, m, step_s, global_batch * tokens / step_s / world,
         flops / p / step_s / peak_flops if peak_flops else 0.0, round(peak * (1 + machine.allocator_overhead)), round(peak),
-        step_s - busy - max(steps), max(timeline.bubble), True, "",
+        timeline.makespan - busy + max(exposed), max(timeline.bubble), True, "",
     )  # fmt: skip
 
 
@@ -466,19 +475,11 @@ def _p2p_seconds(machine: Machine, nbytes: float, *, stride: int) -> float:
 
 def _rank(candidates: list, budget: int) -> list:
     candidates = [c._replace(fits=c.reserved_bytes <= budget) if math.isfinite(c.step_s) else c for c in candidates]
-    ranked = sorted(candidates, key=lambda c: (not c.fits, c.step_s, c.reserved_bytes))
-    best = next((c for c in ranked if c.fits), None)
-    out = []
-    for c in ranked:
-        if c.why:
-            out.append(c)
-        elif not c.fits:
-            out.append(c._replace(why=f"needs {c.reserved_bytes / _GIB:.1f} GiB, over the budget of {budget / _GIB:.1f} GiB"))
-        elif c is best:
-            out.append(c._replace(why=f"fastest that fits ({c.reserved_bytes / _GIB:.1f} GiB)"))
-        else:
-            out.append(c._replace(why=_why_slower(c, best)))
-    return out
+    return rank_with_reasons(
+        candidates, peak=lambda c: c.reserved_bytes, slower=_why_slower,
+        over=lambda c: f"needs {c.reserved_bytes / _GIB:.1f} GiB, over the budget of {budget / _GIB:.1f} GiB",
+        best=lambda c: f"fastest that fits ({c.reserved_bytes / _GIB:.1f} GiB)",
+    )  # fmt: skip
 
 
 def _why_slower(c: LayoutCandidate, best: LayoutCandidate) -> str:

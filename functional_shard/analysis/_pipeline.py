@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 from ..pipeline import Costs, analyze, build_schedule, Pipeline, peak_in_flight
 from ._costs import node_cost
 from ._machine import Machine, h100_sxm
+from ._ranking import rank_with_reasons
 
 __all__ = ["StagePlan", "PipelinePlan", "PipelineCandidate", "plan_pipeline", "tune_pipeline", "pipeline_chrome_trace", "balance_stages"]
 
@@ -236,19 +237,12 @@ def tune_pipeline(step: Any, state: Any, batch: Any, *, budget_bytes: int | None
         peak = max(p.peak_bytes)
         fits = budget_bytes is None or peak <= budget_bytes
         out.append(PipelineCandidate(p.schedule, p.num_microbatches, p.makespan_s, max(p.bubble), peak, fits, ""))
-    ranked = sorted(out, key=lambda c: (not c.fits, c.step_s, c.peak_bytes))
-    best = next((c for c in ranked if c.fits), None)
-    final = []
-    for c in ranked:
-        if c.why:
-            final.append(c)
-        elif not c.fits:
-            final.append(c._replace(why=f"needs {c.peak_bytes / 2**20:.1f} MiB per rank, over the budget of {budget_bytes / 2**20:.1f} MiB"))
-        elif c is best:
-            final.append(c._replace(why=f"fastest that fits: bubble {c.bubble:.3f}, peak {c.peak_bytes / 2**20:.1f} MiB"))
-        else:
-            final.append(c._replace(why=f"{c.step_s / best.step_s:.2f}x the best's time (bubble {c.bubble:.3f} vs {best.bubble:.3f})"))
-    return final
+    return rank_with_reasons(
+        out, peak=lambda c: c.peak_bytes,
+        over=lambda c: f"needs {c.peak_bytes / 2**20:.1f} MiB per rank, over the budget of {budget_bytes / 2**20:.1f} MiB",
+        best=lambda c: f"fastest that fits: bubble {c.bubble:.3f}, peak {c.peak_bytes / 2**20:.1f} MiB",
+        slower=lambda c, best: f"{c.step_s / best.step_s:.2f}x the best's time (bubble {c.bubble:.3f} vs {best.bubble:.3f})",
+    )  # fmt: skip
 
 
 def pipeline_chrome_trace(profiles) -> dict:

@@ -331,7 +331,7 @@ def _boundaries_to_readers(gm: fx.GraphModule, unit_of: dict, microbatch_of: dic
         if unit is not None and not crossing(x):
             continue
         readers = {out.get(u) for u in forward_users(x)} - {None}
-        if len(readers) != 1 or unit in readers:
+        if len(readers) != 1 or unit in readers or any(microbatch_of[u] != microbatch_of[x] for u in forward_users(x)):
             continue
         (reader,) = readers
         chain, frontier, stack = {x}, set(), list(x.all_input_nodes)
@@ -352,7 +352,8 @@ def _boundaries_to_readers(gm: fx.GraphModule, unit_of: dict, microbatch_of: dic
         # The reader's backward reads the frontier instead of x: it must be kept anyway (read across
         # units, a parameter, an input of the step) or hold no storage of its own (a view).
         free = all(n.op == "placeholder" or n in parameters or crossing(n) or _is_view(n) for n in frontier)
-        if free and all(microbatch_of.get(n) == microbatch_of[x] for n in chain):
+        # Views alone allocate nothing: handing a unit nothing but views would only move where they are made.
+        if free and not all(_is_view(n) for n in chain) and all(microbatch_of.get(n) == microbatch_of[x] for n in chain):
             for n in chain:
                 out[n] = reader
     return out
