@@ -27,17 +27,20 @@ on the `Machine` (`cluster_machine`: a GPU's data sheet, NVLink, the network):
   traced without one, the pipeline's ranks counted as data parallelism (`replicate x (pp *
   fsdp) x tp`: the same trace as the flat layout's, at the micro-batch's rows; a pipeline rank
   holds `pp` times that trace's shard, so its state and update are scaled by `pp`):
-  a stage of `k` layers forwards in `k` times a layer's forward wall time (its tensor-parallel
-  waits included) and backwards in `k` times a layer's backward (recomputation included); the
-  embedding, head and loss (the line's intercept) go to the last stage. The schedule's makespan
-  and bubble come from `fs.pipeline.analyze` at those costs, activations sent between ranks
-  priced on the link between their nodes; then each unit's gather and reduce-scatter once per
-  step (FSDP under a pipeline keeps a stage gathered across micro-batches, as FSDP2 does under
-  torch's pipelining), exposed as the traced step's ends are, and the optimizer. Memory per
-  rank: its layers' state, its stages gathered with their full gradients, the in-flight
-  activations (`fs.pipeline.peak_in_flight` micro-batches per stage times a layer's saved bytes),
-  plus one layer's working set. `plan_pipeline` predicts a pipelined step that exists; this is
-  its planning sibling at a scale where tracing every stage is too slow.
+  a stage of `k` layers forwards in `k` times a layer's forward computation and its waits for
+  tensor-parallel collectives, and backwards likewise (recomputation included); the line's
+  intercept (the model's leaves outside the blocks) goes to the first stage (the first unit's
+  share: the embedding) and the last (the head and loss). The schedule's makespan and bubble come
+  from `fs.pipeline.analyze` at those costs, activations sent between ranks priced on the link
+  between their nodes. Each unit is gathered and reduce-scattered once per step (FSDP under a
+  pipeline keeps a stage gathered across micro-batches, as FSDP2 does under torch's pipelining),
+  beside the pipeline's computation: exposed is what does not fit in the rank's busy time, and
+  at least one block's gather and reduce-scatter; then the optimizer. Memory per rank: its
+  layers' state, its stages gathered with their full gradients, the in-flight activations
+  (`fs.pipeline.peak_in_flight` micro-batches per stage times a layer's kept bytes), plus the
+  working set on top (the loss's on the last stage, a block's backward elsewhere).
+  `plan_pipeline` predicts a pipelined step that exists; this is its planning sibling at a
+  scale where tracing every stage is too slow.
 
 Nothing runs and nothing is communicated: one process plans any world size.
 """
