@@ -29,8 +29,9 @@ on the `Machine` (`cluster_machine`: a GPU's data sheet, NVLink, the network):
   holds `pp` times that trace's shard, so its state and update are scaled by `pp`):
   a stage of `k` layers forwards in `k` times a layer's forward computation and its waits for
   tensor-parallel collectives, and backwards likewise (recomputation included); the line's
-  intercept (the model's leaves outside the blocks) goes to the first stage (the first unit's
-  share: the embedding) and the last (the head and loss). The schedule's makespan and bubble come
+  intercept (the model's leaves outside the blocks) is computed on the last stage (the head and
+  loss; an embedding's lookup costs next to nothing) and held by the first (the first unit's
+  bytes: the embedding) and the last (the rest). The schedule's makespan and bubble come
   from `fs.pipeline.analyze` at those costs, activations sent between ranks priced on the link
   between their nodes. Each unit is gathered and reduce-scattered once per step (FSDP under a
   pipeline keeps a stage gathered across micro-batches, as FSDP2 does under torch's pipelining),
@@ -282,10 +283,10 @@ class _Tracer:
         self._unscheduled: dict = {}
         self._figures: dict = {}
 
-    def line(self, dims: tuple, rows: int, remat, scale: int = 1) -> tuple[_Figures, _Figures]:
+    def line(self, dims: tuple, rows: int, remat) -> tuple[_Figures, _Figures]:
         """(per-layer slope, intercept) of the step on mesh `dims` = (replicate, fsdp, tp) at `rows`
-        rows, traced at depths `scale * d` for d in `depths`."""
-        d1, d2 = (scale * d for d in self.depths)
+        rows, traced at the two `depths`."""
+        d1, d2 = self.depths
         a, b = (self.figures(dims, rows, d, remat) for d in (d1, d2))
         return a.line(b, d1, d2)
 
@@ -421,8 +422,9 @@ def _piped(tracer: _Tracer, axes, dims, p, name, v, m, mb_rows, label, remat, la
     except Exception as error:  # noqa: BLE001
         return _failed(axes, label, name, m, f"not plannable: {type(error).__name__}: {str(error)[:160]}")
     machine = tracer.machine
-    r, f, t = dims  # the traced mesh: the pipeline's ranks laid out as data parallelism (fsdp p times larger)
-    shards = p  # so a rank of the pipeline holds p times the shard of the traced one: state and update scale
+    # The traced mesh counts the pipeline's ranks as data parallelism (fsdp p times larger): a rank
+    # of the pipeline holds p times the traced rank's shard, so its state and update scale by p.
+    r, f, t = dims
     schedule = build_schedule(Pipeline(name, stages_per_rank=v), p, m)
     stages = p * v
     per_stage = [layers // stages + (1 if s < layers % stages else 0) for s in range(stages)]
@@ -438,19 +440,20 @@ def _piped(tracer: _Tracer, axes, dims, p, name, v, m, mb_rows, label, remat, la
     # per micro-batch figures (slope/intercept) -> per step: FSDP's collectives and the update happen once.
     # A rank's gathers and reduce-scatters run beside its pipeline's computation; exposed: what does not
     # fit in its busy time, and at least the first layer's gather and the last one's reduce-scatter.
-    # The model's leaves outside the blocks (the line's intercept): the first unit's (the embedding)
-    # on the first stage, the rest (final norm, head, loss) on the last.
+    # The model's leaves outside the blocks (the line's intercept): their bytes split by the first
+    # unit's share (the embedding, on the first stage) and the rest (final norm, head, loss: the last);
+    # their computation, the embedding's negligible, all on the last stage (the costs above).
     first = intercept.first_gathered / intercept.gathered if intercept.gathered > 0 else 0.0
     steps, exposed, peaks, flops = [], [], [], 0.0
     for rank in range(p):
         k = sum(per_stage[s] for s in held[rank])
         has_first, has_last = 0 in held[rank], stages - 1 in held[rank]
         share = (first if has_first else 0.0) + (1 - first if has_last else 0.0)
-        update = shards * (k * slope.update_s + share * intercept.update_s)
+        update = p * (k * slope.update_s + share * intercept.update_s)
         fsdp = k * slope.fsdp_s + share * intercept.fsdp_s
         exposed.append(max(slope.fsdp_s, fsdp - timeline.busy[rank]))
         steps.append(update + exposed[-1])
-        state = shards * (k * slope.resident + share * intercept.resident)
+        state = p * (k * slope.resident + share * intercept.resident)
         gathered = k * slope.gathered + share * intercept.gathered
         in_flight = sum(timeline.peak_in_flight[s] * per_stage[s] * slope.activations for s in held[rank])
         # the working set on top: the loss's on the last stage (the traced step's most), a block's elsewhere
