@@ -67,6 +67,30 @@ def test_plan_and_tune_a_pipelined_gpt_on_an_abstract_mesh():
     assert not any(c.schedule == "gpipe" and c.microbatches == 4 and c.fits for c in ranked)
 
 
+def test_peak_bytes_walks_activations_and_gradients_action_by_action():
+    a, g = 4.5, 3.2  # one micro-batch's saved bytes per stage, a stage's summed gradients
+    # 1F1B, 2 ranks, 2 micro-batches: rank 0 F0 F1 B0 B1 holds 2 micro-batches before any gradient,
+    # then 1 micro-batch and the gradients; rank 1 F0 B0 F1 B1: one micro-batch, then the gradients and one
+    assert fs.pipeline.peak_bytes(fs.pipeline.one_f_one_b(2, 2), [a, a], [g, g]) == (2 * a, a + g)
+    # with gradients larger than a micro-batch the steady state is the peak: 1F1B at M=4 on rank 0:
+    # F0 F1 B0 F2 B1 F3 B2 B3 -> after B0, F2: 2 micro-batches and the gradients
+    assert fs.pipeline.peak_bytes(fs.pipeline.one_f_one_b(2, 4), [a, a], [10.0, 10.0])[0] == 2 * a + 10.0
+    # GPipe: every forward first, then the first backward frees one micro-batch as the gradients come
+    assert fs.pipeline.peak_bytes(fs.pipeline.gpipe(2, 4), [a, a], [g, g]) == (4 * a, 4 * a)
+    assert fs.pipeline.peak_bytes(fs.pipeline.gpipe(2, 4), [a, a], [9.0, 9.0]) == (3 * a + 9.0, 3 * a + 9.0)
+    # a split backward frees a micro-batch at its W (the I leaves the stage's saved values to the W)
+    zb = fs.pipeline.zero_bubble_h1(2, 4)
+    walked = fs.pipeline.peak_bytes(zb, [a, a], [0.0, 0.0])
+    assert walked == tuple(k * a for k in fs.pipeline.peak_in_flight(zb))
+    # interleaved: a rank's two stages walked together, never more than their separate peaks added
+    inter = fs.pipeline.interleaved_1f1b(2, 4)
+    sep = fs.pipeline.peak_in_flight(inter)
+    walked = fs.pipeline.peak_bytes(inter, [1.0] * 4, [0.5] * 4)
+    for r in range(2):
+        stages = inter.stages_of(r)
+        assert max(sep[s] for s in stages) <= walked[r] <= sum(sep[s] for s in stages) + 0.5 * len(stages)
+
+
 def test_balance_stages_gives_a_heavy_head_its_own_stage():
     loss_fn, params = _gpt(vocab=65536, layers=6, d=256)
     cut = fs.analysis.balance_stages(loss_fn, params, _batch(8, 32), 3)

@@ -37,9 +37,10 @@ on the `Machine` (`cluster_machine`: a GPU's data sheet, NVLink, the network):
   pipeline keeps a stage gathered across micro-batches, as FSDP2 does under torch's pipelining),
   beside the pipeline's computation: exposed is what does not fit in the rank's busy time, and
   at least one block's gather and reduce-scatter; then the optimizer. Memory per rank: its
-  layers' state, its stages gathered with their full gradients, the in-flight activations
-  (`fs.pipeline.peak_in_flight` micro-batches per stage times a layer's kept bytes), plus the
-  working set on top (the loss's on the last stage, a block's backward elsewhere).
+  layers' state, its stages' gathered parameters, the most in-flight activations and summed
+  gradients alive at once (`fs.pipeline.peak_bytes`: walked along the rank's actions, a stage's
+  gradients appearing with its first backward), plus the working set on top (the loss's on the
+  last stage, a block's backward elsewhere).
   `plan_pipeline` predicts a pipelined step that exists; this is its planning sibling at a
   scale where tracing every stage is too slow.
 
@@ -55,7 +56,7 @@ from typing import Any, Callable, NamedTuple
 
 from torch import fx
 
-from ..pipeline import Costs, Pipeline, analyze as analyze_pipeline, build_schedule
+from ..pipeline import Costs, Pipeline, analyze as analyze_pipeline, build_schedule, peak_bytes
 from ..schedule import RematPolicy, Schedule
 from ._abstract import AbstractMesh
 from ._costs import node_cost
@@ -176,6 +177,7 @@ class _Figures(NamedTuple):
     resident: float
     activations: float  # activations alive at the end of the forward (kept for the backward)
     gathered: float  # full parameters (gather dtype) and full gradients (reduce dtype): what a stage holds gathered
+    reduced: float  # ... of those, the full gradients (what a stage's first backward allocates)
     first_gathered: float  # ... of those, the first unit's (the embedding: a pipeline's first stage holds it)
     transient: float  # the most activation bytes alive at once beyond those kept for the backward
     block_transient: float  # ... while a block (neither the first unit nor the last) runs its backward
@@ -360,6 +362,7 @@ def _read(compiled, machine: Machine) -> _Figures:
         sim.step_s, sim.exposed_s, sim.phases["forward"] + tp_waits["forward"], sim.phases["backward"] + tp_waits["backward"],
         fsdp, sim.phases.get("update", 0.0),
         float(sim.memory.peak), float(sim.memory.resident), float(saved), float(sum(c.nbytes for c in held)),
+        float(sum(c.nbytes for c in held if c.kind == "reduce_scatter")),
         float(sum(c.nbytes for c in held if c.unit == first_unit)), float(transient), float(block_transient),
         float(sum(node_cost(n).flops for n in gm.graph.nodes if n.op == "call_function")),
     )  # fmt: skip
@@ -444,21 +447,27 @@ def _piped(tracer: _Tracer, axes, dims, p, name, v, m, mb_rows, label, remat, la
     # unit's share (the embedding, on the first stage) and the rest (final norm, head, loss: the last);
     # their computation, the embedding's negligible, all on the last stage (the costs above).
     first = intercept.first_gathered / intercept.gathered if intercept.gathered > 0 else 0.0
+    shares = [(first if s == 0 else 0.0) + (1 - first if s == stages - 1 else 0.0) for s in range(stages)]
+    # in-flight activations and summed gradients, walked action by action: a stage's gradients come
+    # with its first backward, which frees a micro-batch's activations (never both at their peak)
+    walked = peak_bytes(
+        schedule.compute_only(), [k * slope.activations for k in per_stage],
+        [k * slope.reduced + share * intercept.reduced for k, share in zip(per_stage, shares)],
+    )  # fmt: skip
     steps, exposed, peaks, flops = [], [], [], 0.0
     for rank in range(p):
         k = sum(per_stage[s] for s in held[rank])
-        has_first, has_last = 0 in held[rank], stages - 1 in held[rank]
-        share = (first if has_first else 0.0) + (1 - first if has_last else 0.0)
+        has_last = stages - 1 in held[rank]
+        share = sum(shares[s] for s in held[rank])
         update = p * (k * slope.update_s + share * intercept.update_s)
         fsdp = k * slope.fsdp_s + share * intercept.fsdp_s
         exposed.append(max(slope.fsdp_s, fsdp - timeline.busy[rank]))
         steps.append(update + exposed[-1])
         state = p * (k * slope.resident + share * intercept.resident)
-        gathered = k * slope.gathered + share * intercept.gathered
-        in_flight = sum(timeline.peak_in_flight[s] * per_stage[s] * slope.activations for s in held[rank])
+        parameters = k * (slope.gathered - slope.reduced) + share * (intercept.gathered - intercept.reduced)
         # the working set on top: the loss's on the last stage (the traced step's most), a block's elsewhere
         working = intercept.transient + slope.transient if has_last else intercept.block_transient + slope.block_transient
-        peaks.append(state + gathered + in_flight + working)
+        peaks.append(state + parameters + walked[rank] + working)
         flops += m * (k * slope.flops + (intercept.flops if has_last else 0.0))
     step_s = timeline.makespan + max(steps)
     peak = max(peaks)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from ..pipeline import Costs, analyze, build_schedule, Pipeline, peak_in_flight
+from ..pipeline import Costs, analyze, build_schedule, Pipeline, peak_bytes, peak_in_flight
 from ._costs import node_cost
 from ._machine import Machine, h100_sxm
 from ._ranking import rank_with_reasons
@@ -66,11 +66,9 @@ class PipelinePlan(NamedTuple):
     p2p_bytes: tuple[int, ...]  # per rank: bytes it sends in one step (activations forward, cotangents back)
     bytes_per_element: int  # state bytes per parameter element (param + Adam moments + gradient)
     fsdp: int  # ranks each stage's parameters are sharded over
-
-    @property
-    def peak_bytes(self) -> tuple[int, ...]:
-        """Per rank: state + gathered stages + in-flight activations (the pipelined step's peak)."""
-        return tuple(s + g + a for s, g, a in zip(self.state_bytes, self.gathered_bytes, self.activation_bytes))
+    # per rank: state + gathered parameters + the most in-flight activations and summed gradients
+    # alive at once (`fs.pipeline.peak_bytes`: a stage's gradients appear with its first backward)
+    peak_bytes: tuple[int, ...]
 
     def explain(self) -> str:
         lines = [
@@ -178,6 +176,8 @@ def _plan(step: Any, state: Any, figures: list[_StageFigures], machine: Machine,
     gather_bytes = step.gather_bytes_per_element()
     ranks = range(step.num_ranks)
     held = [[s for s in stages if s.rank == r] for r in ranks]
+    states = tuple(sum(s.param_elements for s in held[r]) * per_element // fsdp for r in ranks)
+    gathered_bytes = tuple(sum(s.param_elements for s in held[r]) * gather_bytes for r in ranks)
     p2p = []
     for r in ranks:
         out = 0
@@ -190,9 +190,11 @@ def _plan(step: Any, state: Any, figures: list[_StageFigures], machine: Machine,
     return PipelinePlan(
         compute.name, step.num_ranks, m, tuple(stages), analysis.makespan, tuple(analysis.bubble), tuple(peaks),
         tuple(sum(peaks[s.stage] * s.saved_bytes for s in held[r]) for r in ranks),
-        tuple(sum(s.param_elements for s in held[r]) * per_element // fsdp for r in ranks),
-        tuple(sum(s.param_elements for s in held[r]) * gather_bytes for r in ranks),
+        states, gathered_bytes,
         tuple(p2p), per_element, fsdp,
+        tuple(state + gathered // 2 + round(walked) for state, gathered, walked in zip(
+            states, gathered_bytes, peak_bytes(compute.compute_only(), [s.saved_bytes for s in stages],
+                                               [s.param_elements * gather_bytes // 2 for s in stages]))),
     )  # fmt: skip
 
 

@@ -37,6 +37,7 @@ from ._check import CheckResult as CheckResult
 from ._check import check as check
 from ._config import Pipeline as Pipeline
 from ._config import build_schedule as build_schedule
+from ._peaks import peak_bytes as peak_bytes
 
 __all__ = [
     "Action",
@@ -56,6 +57,7 @@ __all__ = [
     "gpipe",
     "interleaved_1f1b",
     "one_f_one_b",
+    "peak_bytes",
     "peak_in_flight",
     "stage_to_rank",
     "with_communication",
