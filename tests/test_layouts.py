@@ -58,11 +58,11 @@ MACHINE = fs.analysis.cluster_machine(fs.analysis.H100_SXM, world_size=8)
 OPTIMIZER = fs.optim.adamw(lr=1e-3)
 
 
-def search(space, *, layers=8, budget=1 << 30, global_batch=32):
+def search(space, *, layers=8, budget=1 << 30, global_batch=32, workers=1):
     return fs.analysis.plan_layouts(
         build, batch, layers=layers, world_size=8, global_batch=global_batch, tokens_per_row=LENGTH, machine=MACHINE,
         budget_bytes=budget, optimizer=OPTIMIZER, precision=PRECISION, space=space,
-        peak_flops=fs.analysis.H100_SXM.dense_flops["bfloat16"],
+        peak_flops=fs.analysis.H100_SXM.dense_flops["bfloat16"], workers=workers,
     )  # fmt: skip
 
 
@@ -106,7 +106,11 @@ def test_ranked_fitting_first_fastest_first_and_every_loser_says_why(flat):
 
 def test_layouts_that_cannot_be_planned_are_listed_with_the_reason():
     # 4 heads: tp 8 cannot split them; a global batch of 12 does not cut into 8 data-parallel ranks
-    result = search(fs.analysis.LayoutSpace(tp=(1, 2, 8), pp=(1,), remat=(("none", False),)), global_batch=12)
+    space = fs.analysis.LayoutSpace(tp=(1, 2, 8), pp=(1, 2), remat=(("none", False),))
+    result = search(space, global_batch=12)
+    # traced in 2 processes (this one and a forked copy): the same candidates, failures included
+    # (a worker that fails on a mesh leaves it to this process, which meets the error itself)
+    assert search(space, global_batch=12, workers=2).candidates == result.candidates
     reasons = {tuple(sorted(c.axes.items())): c.why for c in result.candidates}
     assert "not plannable" in reasons[(("tp", 8),)] and "cannot be split over axis 'tp'" in reasons[(("tp", 8),)]
     assert "does not cut into 8 data-parallel ranks" in reasons[(("fsdp", 8),)]

@@ -50,6 +50,7 @@ Nothing runs and nothing is communicated: one process plans any world size.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from typing import Any, Callable, NamedTuple
@@ -60,6 +61,7 @@ from ..pipeline import Costs, Pipeline, analyze as analyze_pipeline, build_sched
 from ..schedule import RematPolicy, Schedule
 from ._abstract import AbstractMesh
 from ._costs import node_cost
+from ._forked import forked_map
 from ._machine import Machine
 from ._ranking import rank_with_reasons
 from ._simulate import simulate
@@ -206,8 +208,9 @@ def plan_layouts(
     precision=None,
     schedule: Schedule | None = None,
     space: LayoutSpace = LayoutSpace(),
-    depths: tuple[int, int] = (3, 6),
+    depths: tuple[int, int] = (3, 4),
     peak_flops: float = 0.0,
+    workers: int = 1,
 ) -> LayoutPlan:
     """Predict every layout of `space` for a model of `layers` blocks on `world_size` GPUs and rank
     them: those whose predicted reserved memory fits `budget_bytes` first, fastest first, each
@@ -231,6 +234,9 @@ def plan_layouts(
         space: the layouts to try (`LayoutSpace`).
         depths: the two shallow depths traced.
         peak_flops: the GPU's dense peak FLOP/s, for the FLOPs utilization (0: not reported).
+        workers: processes tracing at once (this one and `workers - 1` forked copies of it; each
+            (mesh, rows) is traced in one of them): the figures are the same, the search faster
+            on as many cores (`os.cpu_count()`). Needs `fork` (Linux, macOS) and no CUDA initialized.
     """
     if not (isinstance(depths, tuple) and len(depths) == 2 and 1 <= depths[0] < depths[1]):
         raise ValueError(f"plan_layouts depths must be two depths 1 <= d1 < d2; got {depths!r}")
@@ -239,7 +245,7 @@ def plan_layouts(
     start = time.perf_counter()
     base = schedule if schedule is not None else Schedule(reduce_scatters_in_flight=1)
     tracer = _Tracer(build, batch, optimizer, precision, base, machine, depths)
-    candidates = []
+    candidates, planned = [], []  # planned: (index in candidates, the call that prices it, its (dims, rows, remats))
     for r, t, p in ((r, t, p) for r in space.replicate for t in space.tp for p in space.pp):
         if world_size % (r * t * p):
             continue
@@ -253,8 +259,10 @@ def plan_layouts(
         rows = global_batch // dp
         if p == 1:
             for label, remat in space.remat:
-                candidates.append(_flat(tracer, axes, (r, f, t), rows, label, remat, layers, world_size, global_batch,
-                                        tokens_per_row, peak_flops))  # fmt: skip
+                planned.append((len(candidates), functools.partial(
+                    _flat, tracer, axes, (r, f, t), rows, label, remat, layers, world_size, global_batch, tokens_per_row,
+                    peak_flops), ((r, f, t), rows, (remat,))))  # fmt: skip
+                candidates.append(None)
             continue
         for name in space.schedules:
             v = Pipeline(name).virtual_stages()
@@ -266,8 +274,13 @@ def plan_layouts(
                                else f"{layers} layers cannot fill {p * v} stages")  # fmt: skip
                         candidates.append(_failed(axes, label, name, m, why))
                         continue
-                    candidates.append(_piped(tracer, axes, (r, f * p, t), p, name, v, m, rows // m, label, remat, layers,
-                                             world_size, global_batch, tokens_per_row, peak_flops))  # fmt: skip
+                    planned.append((len(candidates), functools.partial(
+                        _piped, tracer, axes, (r, f * p, t), p, name, v, m, rows // m, label, remat, layers, world_size,
+                        global_batch, tokens_per_row, peak_flops), ((r, f * p, t), rows // m, (remat, True))))  # fmt: skip
+                    candidates.append(None)
+    tracer.prefetch([needs for _, _, needs in planned], workers)
+    for i, price, _ in planned:
+        candidates[i] = price()
     if not any(math.isfinite(c.step_s) for c in candidates):
         raise ValueError("plan_layouts: no layout of the space could be planned: " + "; ".join(sorted({c.why for c in candidates}))[:600])
     ranked = _rank(candidates, budget_bytes)
@@ -284,6 +297,26 @@ class _Tracer:
         self.traces = 0
         self._unscheduled: dict = {}
         self._figures: dict = {}
+
+    def prefetch(self, needs: list, workers: int) -> None:
+        """Compute the figures of every (dims, rows, remats) in `needs` with `workers` processes
+        (`forked_map`: one (dims, rows) per task, its traces shared by its policies)."""
+        groups: dict = {}
+        for dims, rows, remats in needs:
+            groups.setdefault((dims, rows), {})
+            groups[(dims, rows)].update({_remat_key(remat): remat for remat in remats})
+        todo = [(dims, rows, tuple(remats.values())) for (dims, rows), remats in groups.items()]
+
+        def work(group):
+            dims, rows, remats = group
+            before = self.traces
+            figures = {(dims, rows, d, _remat_key(remat)): self.figures(dims, rows, d, remat) for remat in remats for d in self.depths}
+            return figures, self.traces - before
+
+        for figures, traces in forked_map(work, todo, workers).values():
+            if not figures.keys() <= self._figures.keys():  # a child's (this process's share is stored already)
+                self._figures.update(figures)
+                self.traces += traces
 
     def line(self, dims: tuple, rows: int, remat) -> tuple[_Figures, _Figures]:
         """(per-layer slope, intercept) of the step on mesh `dims` = (replicate, fsdp, tp) at `rows`
