@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import sys
 import time
@@ -97,7 +98,7 @@ PUBLISHED = {  # torchtitan benchmarks/llama3_h100_202412_torchtitan.md (torch.c
 }
 
 
-def run(job: str, sequence: int = 8192, budget_gib: float = 80.0) -> dict:
+def run(job: str, sequence: int = 8192, budget_gib: float = 80.0, workers: int = 1) -> dict:
     spec = JOBS[job]
     layers = SHAPES[spec["model"]]["num_hidden_layers"]
     machine = fs.analysis.cluster_machine(fs.analysis.H100_SXM_HBM2E, world_size=spec["world"], network_gbps=400)
@@ -106,10 +107,11 @@ def run(job: str, sequence: int = 8192, budget_gib: float = 80.0) -> dict:
         llama_builder(spec["model"], sequence), token_batch(sequence), layers=layers, world_size=spec["world"],
         global_batch=spec["global_batch"], tokens_per_row=sequence, machine=machine, budget_bytes=int(budget_gib * 2**30),
         optimizer=fs.optim.adamw(lr=3e-4, weight_decay=0.1), precision=PRECISION, space=spec["space"],
-        peak_flops=fs.analysis.H100_SXM.dense_flops["bfloat16"],
+        peak_flops=fs.analysis.H100_SXM.dense_flops["bfloat16"], workers=workers,
     )  # fmt: skip
     seconds = time.perf_counter() - start
-    print(f"## {job}: {spec['model']} on {spec['world']} GPUs, global batch {spec['global_batch']} x {sequence} ({seconds:.1f} s)\n")
+    print(f"## {job}: {spec['model']} on {spec['world']} GPUs, global batch {spec['global_batch']} x {sequence} "
+          f"({seconds:.1f} s, {result.traces} traces, {workers} worker{'s' if workers > 1 else ''})\n")
     print(result.table(limit=12 if job == "search-70b" else None))
     rows = []
     for c in result.candidates:
@@ -128,8 +130,9 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", default=",".join(JOBS))
     parser.add_argument("--json", default="", help="write the results here")
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes tracing at once (default: the cores)")
     args = parser.parse_args(argv)
-    out = [run(job) for job in args.jobs.split(",")]
+    out = [run(job, workers=args.workers) for job in args.jobs.split(",")]
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(out, indent=1, default=str))
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import statistics
 import time
 
@@ -176,6 +177,7 @@ def run(model: str, world, machine, steps: int) -> dict:
         tokens_per_row=LENGTH, machine=machine, budget_bytes=1 << 40, optimizer=OPTIMIZER, schedule=fs.Schedule(),
         space=fs.analysis.LayoutSpace(tp=(1, 2, 4), pp=(1, 2, 4), replicate=(1, 2), remat=(("none", False),),
                                       schedules=("1f1b",), microbatches=(1,)),
+        workers=os.cpu_count() or 1,
     )  # fmt: skip
     planned_s = time.perf_counter() - start
     rows = []

@@ -2,7 +2,7 @@
 traces extended in depth.
 
 - Depth: a layout's predicted step time, peak and reserved bytes and FLOPs at the model's depth,
-  read from traces at 3 and 6 blocks, are the figures of the full-depth step planned and
+  read from traces at 3 and 4 blocks, are the figures of the full-depth step planned and
   simulated directly (`fs.analysis.plan` + `simulate`), to rounding, with and without tensor
   parallelism and for every checkpointing policy.
 - Ranking: layouts that fit the budget first, fastest first; each loser says why (over the budget

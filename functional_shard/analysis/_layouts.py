@@ -11,7 +11,7 @@ predicted from steps traced on an `AbstractMesh` (meta tensors: nothing allocate
 on the `Machine` (`cluster_machine`: a GPU's data sheet, NVLink, the network):
 
 - **Depth.** A transformer's layers are alike, so a step's figures are affine in its depth:
-  each candidate mesh is traced at two shallow depths (`depths`, default 3 and 6 blocks: deep
+  each candidate mesh is traced at two shallow depths (`depths`, default 3 and 4 blocks: deep
   enough that prefetching and freeing settle into the pattern every later layer repeats) and
   every figure (simulated step time, exposed communication, phases, peak and resident bytes,
   FLOPs) is extended to `layers` on the line through them. Tracing the full depth of a 70B
@@ -44,7 +44,9 @@ on the `Machine` (`cluster_machine`: a GPU's data sheet, NVLink, the network):
   `plan_pipeline` predicts a pipelined step that exists; this is its planning sibling at a
   scale where tracing every stage is too slow.
 
-Nothing runs and nothing is communicated: one process plans any world size.
+Nothing runs and nothing is communicated: one process plans any world size (`workers=N`
+traces the meshes in N processes: this one and forked copies, `_forked`). The traces and their
+figures are `_depth`'s.
 """
 
 from __future__ import annotations
@@ -55,16 +57,11 @@ import math
 import time
 from typing import Any, Callable, NamedTuple
 
-from torch import fx
-
 from ..pipeline import Costs, Pipeline, analyze as analyze_pipeline, build_schedule, peak_bytes
 from ..schedule import RematPolicy, Schedule
-from ._abstract import AbstractMesh
-from ._costs import node_cost
-from ._forked import forked_map
+from ._depth import Tracer
 from ._machine import Machine
 from ._ranking import rank_with_reasons
-from ._simulate import simulate
 
 __all__ = ["LayoutSpace", "LayoutCandidate", "LayoutPlan", "plan_layouts"]
 
@@ -166,34 +163,6 @@ class LayoutPlan(NamedTuple):
         return "\n".join(lines)
 
 
-class _Figures(NamedTuple):
-    """One traced step's figures (or their per-layer slope / intercept: the same fields)."""
-
-    step_s: float
-    exposed_s: float
-    forward_s: float  # the forward's computation and its waits for tensor-parallel collectives
-    backward_s: float  # ... the backward's (recomputation included)
-    fsdp_s: float  # FSDP's collectives: the forward's all-gathers and the reduce-scatters, as priced on the link
-    update_s: float  # compute time of the optimizer's update (early updates run inside the backward's span)
-    peak: float
-    resident: float
-    activations: float  # activations alive at the end of the forward (kept for the backward)
-    gathered: float  # full parameters (gather dtype) and full gradients (reduce dtype): what a stage holds gathered
-    reduced: float  # ... of those, the full gradients (what a stage's first backward allocates)
-    first_gathered: float  # ... of those, the first unit's (the embedding: a pipeline's first stage holds it)
-    transient: float  # the most activation bytes alive at once beyond those kept for the backward
-    block_transient: float  # ... while a block (neither the first unit nor the last) runs its backward
-    flops: float
-
-    def line(self, other: "_Figures", d1: int, d2: int) -> tuple["_Figures", "_Figures"]:
-        """(slope per layer, intercept at depth 0) of the line through (d1, self) and (d2, other)."""
-        slope = _Figures(*((b - a) / (d2 - d1) for a, b in zip(self, other)))
-        return slope, _Figures(*(a - d1 * s for a, s in zip(self, slope)))
-
-    def at(self, intercept: "_Figures", layers: float) -> "_Figures":
-        return _Figures(*(i + layers * s for s, i in zip(self, intercept)))
-
-
 def plan_layouts(
     build: Callable[[int, Any], tuple],
     batch: Callable[[int], Any],
@@ -244,7 +213,7 @@ def plan_layouts(
         raise ValueError(f"plan_layouts needs layers, world_size and global_batch >= 1; got {layers}, {world_size}, {global_batch}")
     start = time.perf_counter()
     base = schedule if schedule is not None else Schedule(reduce_scatters_in_flight=1)
-    tracer = _Tracer(build, batch, optimizer, precision, base, machine, depths)
+    tracer = Tracer(build, batch, optimizer, precision, base, machine, depths)
     candidates, planned = [], []  # planned: (index in candidates, the call that prices it, its (dims, rows, remats))
     for r, t, p in ((r, t, p) for r in space.replicate for t in space.tp for p in space.pp):
         if world_size % (r * t * p):
@@ -287,157 +256,11 @@ def plan_layouts(
     return LayoutPlan(tuple(ranked), budget_bytes, time.perf_counter() - start, tracer.traces)
 
 
-class _Tracer:
-    """Traces each (mesh, rows, depth) once, unscheduled, and applies each checkpointing policy
-    to a copy of that trace (simulated on the machine)."""
-
-    def __init__(self, build, batch, optimizer, precision, base: Schedule, machine: Machine, depths):
-        self.build, self.batch, self.optimizer, self.precision = build, batch, optimizer, precision
-        self.base, self.machine, self.depths = base, machine, depths
-        self.traces = 0
-        self._unscheduled: dict = {}
-        self._figures: dict = {}
-
-    def prefetch(self, needs: list, workers: int) -> None:
-        """Compute the figures of every (dims, rows, remats) in `needs` with `workers` processes
-        (`forked_map`: one (dims, rows) per task, its traces shared by its policies)."""
-        groups: dict = {}
-        for dims, rows, remats in needs:
-            groups.setdefault((dims, rows), {})
-            groups[(dims, rows)].update({_remat_key(remat): remat for remat in remats})
-        todo = [(dims, rows, tuple(remats.values())) for (dims, rows), remats in groups.items()]
-
-        def work(group):
-            dims, rows, remats = group
-            before = self.traces
-            figures = {(dims, rows, d, _remat_key(remat)): self.figures(dims, rows, d, remat) for remat in remats for d in self.depths}
-            return figures, self.traces - before
-
-        for figures, traces in forked_map(work, todo, workers).values():
-            if not figures.keys() <= self._figures.keys():  # a child's (this process's share is stored already)
-                self._figures.update(figures)
-                self.traces += traces
-
-    def line(self, dims: tuple, rows: int, remat) -> tuple[_Figures, _Figures]:
-        """(per-layer slope, intercept) of the step on mesh `dims` = (replicate, fsdp, tp) at `rows`
-        rows, traced at the two `depths`."""
-        d1, d2 = self.depths
-        a, b = (self.figures(dims, rows, d, remat) for d in (d1, d2))
-        return a.line(b, d1, d2)
-
-    def figures(self, dims: tuple, rows: int, depth: int, remat) -> _Figures:
-        key = (dims, rows, depth, _remat_key(remat))
-        if key not in self._figures:
-            compiled = self._schedule(dims, rows, depth, remat)
-            self._figures[key] = _read(compiled, self.machine)
-        return self._figures[key]
-
-    def _schedule(self, dims, rows, depth, remat):
-        from .._jit import lower_for_mesh
-        from .._make_step import sharded_step
-        from ..schedule import PassContext, apply_schedule
-        from ..schedule._graph import copy_graph
-
-        key = (dims, rows, depth)
-        if key not in self._unscheduled:
-            r, f, t = dims
-            axes = {k: v for k, v in (("replicate", r), ("fsdp", f), ("tp", t)) if v > 1 or k == "fsdp"}
-            mesh = AbstractMesh(axes)
-            loss_fn, params, placements = self.build(depth, mesh)
-            step = sharded_step(loss_fn, mesh, optimizer=self.optimizer, precision=self.precision, placements=placements,
-                                schedule=Schedule(passes=(), accumulate=self.base.accumulate, offload=self.base.offload,
-                                                  reshard_after_update=self.base.reshard_after_update))  # fmt: skip
-            self._unscheduled[key] = (step.lower(step.init_abstract(params), self.batch(rows)), mesh)
-            self.traces += 1
-        unscheduled, mesh = self._unscheduled[key]
-        # The passes and the lowering the jit applies (`scheduled_step`), on a copy that is analyzed,
-        # never run: no Python code is generated for it.
-        gm = apply_schedule(_GraphOnly(unscheduled.scheduled, copy_graph(unscheduled.scheduled)),
-                            dataclasses.replace(self.base, remat=remat), PassContext.for_mesh(mesh))  # fmt: skip
-        lower_for_mesh(gm, mesh)
-        return _Lowered(gm, unscheduled.io, unscheduled.key)
-
-
-class _GraphOnly(fx.GraphModule):
-    """A graph module to analyze, never to run: `recompile` (Python code generation, most of the
-    passes' cost on a large graph) does nothing."""
-
-    def recompile(self):
-        return None
-
-
-class _Lowered(NamedTuple):
-    """What `simulate` reads of a `CompiledStep`."""
-
-    graph_module: fx.GraphModule
-    io: Any
-    key: Any
-
-
-def _remat_key(remat):
-    return remat if isinstance(remat, (bool, RematPolicy)) else repr(remat)
-
-
-def _read(compiled, machine: Machine) -> _Figures:
-    from .. import schedule as schedule_lib
-
-    gm = compiled.graph_module
-    sim = simulate(compiled, machine)
-    tp_waits = {phase: sum(e.duration_us for e in sim.timeline if e.category == "wait" and e.phase == phase
-                           and e.name.startswith("wait tp")) / 1e6 for phase in ("forward", "backward")}  # fmt: skip
-    fsdp = sum(e.duration_us for e in sim.timeline if e.category == "collective" and (
-        (e.name.startswith("all_gather") and e.phase == "forward") or e.name.startswith("reduce_scatter"))) / 1e6
-    held = [c for c in schedule_lib.parameter_collectives(gm)  # FSDP's: the forward's gathers and the reductions
-            if (c.kind == "all_gather" and c.phase == "forward") or c.kind == "reduce_scatter"]  # fmt: skip
-    first_unit = next((c.unit for c in held if c.kind == "all_gather"), None)
-    saved, transient, block_transient = _activations(compiled)
-    return _Figures(
-        sim.step_s, sim.exposed_s, sim.phases["forward"] + tp_waits["forward"], sim.phases["backward"] + tp_waits["backward"],
-        fsdp, sim.phases.get("update", 0.0),
-        float(sim.memory.peak), float(sim.memory.resident), float(saved), float(sum(c.nbytes for c in held)),
-        float(sum(c.nbytes for c in held if c.kind == "reduce_scatter")),
-        float(sum(c.nbytes for c in held if c.unit == first_unit)), float(transient), float(block_transient),
-        float(sum(node_cost(n).flops for n in gm.graph.nodes if n.op == "call_function")),
-    )  # fmt: skip
-
-
-def _activations(compiled) -> tuple[int, int, int]:
-    """(bytes of activations alive at the end of the forward: what the forward keeps for the
-    backward, and what each micro-batch in flight holds under a pipeline; the most bytes of other
-    activations and update temporaries alive at once: the working set on top; the same while a
-    block, not the first or last unit, runs its backward)."""
-    from .. import schedule as schedule_lib
-    from ..schedule._liveness import lifetimes
-    from ._memory import _categories
-    from ._regions import node_roles
-
-    gm = compiled.graph_module
-    nodes = list(gm.graph.nodes)
-    end = nodes.index(schedule_lib.forward_end(gm))
-    storage_of, first, last, size, root = lifetimes(nodes)
-    category = _categories(nodes, storage_of, root, node_roles(gm), compiled.io)
-    working = [k for k in first if category[k] in ("activations", "update_temporaries")]
-    saved = [k for k in working if category[k] == "activations" and first[k] <= end < last[k]]
-    delta = [0] * (len(nodes) + 1)
-    for k in set(working) - set(saved):
-        delta[first[k]] += size[k]
-        delta[last[k] + 1] -= size[k]
-    alive, curve = 0, []
-    for d in delta[:-1]:
-        alive += d
-        curve.append(alive)
-    regions = node_roles(gm).regions
-    order = [r.unit for r in sorted((r for r in regions if r.phase == "forward"), key=lambda r: r.start)]
-    ends = {order[0], order[-1]} if order else set()
-    blocks = [max(curve[r.start : r.end + 1], default=0) for r in regions if r.phase == "backward" and r.unit not in ends]
-    return sum(size[k] for k in saved), max(curve, default=0), max(blocks, default=0)
-
-
 def _failed(axes, remat: str, schedule: str, m: int, why: str) -> LayoutCandidate:
     return LayoutCandidate(axes, remat, schedule, m, math.inf, 0.0, 0.0, 0, 0, math.inf, 0.0, False, why)
 
 
-def _flat(tracer: _Tracer, axes, dims, rows, label, remat, layers, world, global_batch, tokens, peak_flops) -> LayoutCandidate:
+def _flat(tracer: Tracer, axes, dims, rows, label, remat, layers, world, global_batch, tokens, peak_flops) -> LayoutCandidate:
     try:
         slope, intercept = tracer.line(dims, rows, remat)
     except Exception as error:  # noqa: BLE001 - a layout the model or the step refuses is a rejected candidate
@@ -450,7 +273,7 @@ def _flat(tracer: _Tracer, axes, dims, rows, label, remat, layers, world, global
     )  # fmt: skip
 
 
-def _piped(tracer: _Tracer, axes, dims, p, name, v, m, mb_rows, label, remat, layers, world, global_batch, tokens,
+def _piped(tracer: Tracer, axes, dims, p, name, v, m, mb_rows, label, remat, layers, world, global_batch, tokens,
            peak_flops) -> LayoutCandidate:  # fmt: skip
     try:
         slope, intercept = tracer.line(dims, mb_rows, remat)
