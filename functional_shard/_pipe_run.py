@@ -9,7 +9,8 @@ Each action does one thing (`docs/pipelining.md`):
   parameters, its batch leaves), keeping its autograd graph;
 - `B s m`: the backward of `F s m` from the received cotangents (the last stage: from the
   loss, seeded with 1): the parameters' gradients added to the stage's sum, the inputs'
-  cotangents kept for `SEND_B`; `I s m` then `W s m`: the same in two halves (inputs first);
+  cotangents kept for `SEND_B`; `I s m` then `W s m`: the same in two halves, the input path
+  first, the weight side later, each node run once (`_split_backward`);
 - `SEND_F`/`RECV_F`/`SEND_B`/`RECV_B`: point-to-point over the `pp` axis (`PointToPoint`);
 - `RESHARD s`: drop the gathered leaves; `REDUCE_GRAD s`: the stage's summed full gradients,
   flattened per buffer, reduce-scattered over the shard axis and summed over replicate axes.
@@ -33,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from . import _canonical, _random, _tracing
+from . import _canonical, _random, _split_backward, _tracing
 from ._collectives import ReduceScatterFlat
 from ._layout import Layout
 from ._shard import gather_full
@@ -112,6 +113,9 @@ def saved_bytes(run):
         if isinstance(t, torch.Tensor):
             storage = t.untyped_storage()
             storages[StorageWeakRef(storage).cdata] = storage.nbytes()
+            # detached: an output saved with its own grad_fn would make a cycle through C++ (node ->
+            # packed tensor -> node) that keeps a node no backward runs (an I's input path after W) alive
+            return t.detach()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -138,9 +142,9 @@ class _Stage:
         self.cotangents: dict[int, list] = {}  # micro-batch -> received cotangents of its sent values
         self.input_cotangents: dict[int, list] = {}  # micro-batch -> cotangents of its received values
         self.outputs: dict[int, list] = {}  # micro-batch -> values to send forward
-        self.kept: dict[int, list] = {}
+        self.kept: dict[int, _split_backward.Split] = {}  # micro-batch -> what its I kept for its W
         self.reduce_dtypes: list = []
-        self.tree = None  # a layout-invariant step's _canonical.TreeSum over the micro-batches  # micro-batch -> cotangents an I received, for its W
+        self.tree = None  # a layout-invariant step's _canonical.TreeSum over the micro-batches
 
 
 def run_actions(
@@ -283,6 +287,7 @@ def run_actions(
                 losses[m] = [o.detach() for o in outputs]
             else:
                 st.outputs[m] = [o.detach() for o in outputs] + ([torch.get_rng_state()] if canonical is not None else [])
+            del inputs, outputs, run  # the graph is st.graphs[m]'s alone: an I frees its output side
         elif a.kind in (K.B, K.I, K.W):
             _backward(a, st, stages, program, schedule, last, ready, mesh)
             if recorder is not None and a.kind in (K.B, K.W):
@@ -337,60 +342,62 @@ def _recompute(run, rng, mesh) -> list:
 
 def _backward(a: Action, st: _Stage, stages, program, schedule, last, ready, mesh=None) -> None:
     """B, I or W of micro-batch `a.microbatch` through stage `a.stage`: gradients of the parameters
-    added to the stage's sums (B, W), cotangents of the received values kept for SEND_B (B, I)."""
+    added to the stage's sums (B, W), cotangents of the received values kept for SEND_B (B, I).
+    I and W split the backward (`_split_backward`): I runs the input path only and keeps, until
+    W, what the weights' gradients need; W runs the weight side only. The same bits as B."""
     s, m = a.stage, a.microbatch
-    inputs, outputs = st.graphs[m]
-    if isinstance(outputs, tuple):  # rematerialized: recomputed once (an I's graph serves its W)
+    if a.kind is K.W:  # the weight side of the graph its I kept, then freed
+        _add_gradients(st, _split_backward.backward_weight(st.kept.pop(m)))
+        return
+    inputs, outputs = st.graphs.pop(m)
+    if isinstance(outputs, tuple):  # rematerialized: recomputed here (an I's graph serves its W)
         outputs = _recompute(*outputs, mesh)
-        st.graphs[m] = (inputs, outputs)
     if s == last:  # the loss: seeded with 1 (the mean over micro-batches and ranks is taken after)
         roots, cotangents = [outputs[0]], [torch.ones_like(outputs[0])]
     else:
         roots = [o for o, b in zip(outputs, program.sent) if b.differentiable]
-        if a.kind is K.W:  # the cotangents its I received
-            cotangents = st.kept.pop(m)
+        if schedule.rank_of(s + 1) == schedule.rank_of(s):
+            cotangents = stages[s + 1].input_cotangents.pop(m)
         else:
-            if schedule.rank_of(s + 1) == schedule.rank_of(s):
-                cotangents = stages[s + 1].input_cotangents.pop(m)
-            else:
-                ready(K.RECV_B, s, m)
-                cotangents = st.cotangents.pop(m)
-            if a.kind is K.I:
-                st.kept[m] = cotangents
-    want_inputs, want_params = a.kind in (K.B, K.I), a.kind in (K.B, K.W)
-    diff_inputs = [t for t in inputs if t.requires_grad] if want_inputs else []
-    diff_params = [p for p in st.leaves if p.requires_grad] if want_params else []
-    targets = diff_params + diff_inputs
+            ready(K.RECV_B, s, m)
+            cotangents = st.cotangents.pop(m)
+    diff_inputs = [t for t in inputs if t.requires_grad]
     pairs = [(r, c) for r, c in zip(roots, cotangents) if r.requires_grad]
-    if targets and pairs:
-        got = torch.autograd.grad(
-            [r for r, _ in pairs], targets, [c for _, c in pairs], allow_unused=True, retain_graph=a.kind is K.I
-        )
+    del inputs, outputs, roots, cotangents  # what W needs, the split keeps; the rest is freed with the graph
+    if a.kind is K.I:
+        roots, cotangents = [r for r, _ in pairs], [c for _, c in pairs]
+        del pairs
+        cots, st.kept[m] = _split_backward.backward_input(roots, cotangents, diff_inputs, st.leaves)
+        del roots, cotangents
     else:
-        got = [None] * len(targets)
-    if want_params:
-        k = 0
-        for j, p in enumerate(st.leaves):
-            if p.requires_grad:
-                g = got[k]
-                k += 1
-                if g is not None:
-                    g = g.to(st.reduce_dtypes[j])
-                    if st.tree is not None:
-                        st.sums[j] = g  # this micro-batch's, for the tree below
-                    else:
-                        st.sums[j] = g if st.sums[j] is None else st.sums[j] + g
-        if st.tree is not None:  # every parameter's gradient of this micro-batch, one tree step
-            st.tree.add([
-                g if g is not None else torch.zeros(p.shape, dtype=d, device=p.device)
-                for g, p, d in zip(st.sums, st.leaves, st.reduce_dtypes)
-            ])  # fmt: skip
-            st.sums = [None] * len(st.leaves)
-    if want_inputs:
+        diff_params = [p for p in st.leaves if p.requires_grad]
+        targets = diff_params + diff_inputs
+        if targets and pairs:
+            got = torch.autograd.grad([r for r, _ in pairs], targets, [c for _, c in pairs], allow_unused=True)
+        else:
+            got = [None] * len(targets)
+        del pairs
+        it = iter(got[: len(diff_params)])
+        _add_gradients(st, [next(it) if p.requires_grad else None for p in st.leaves])
         cots = got[len(diff_params):]
-        st.input_cotangents[m] = [c if c is not None else torch.zeros_like(t) for c, t in zip(cots, diff_inputs)]
-    if a.kind in (K.B, K.W):
-        del st.graphs[m]
+    st.input_cotangents[m] = [c if c is not None else torch.zeros_like(t) for c, t in zip(cots, diff_inputs)]
+
+
+def _add_gradients(st: _Stage, grads: list) -> None:
+    """One micro-batch's gradients (per parameter leaf, None where none) added to the stage's sums."""
+    for j, g in enumerate(grads):
+        if g is not None:
+            g = g.to(st.reduce_dtypes[j])
+            if st.tree is not None:
+                st.sums[j] = g  # this micro-batch's, for the tree below
+            else:
+                st.sums[j] = g if st.sums[j] is None else st.sums[j] + g
+    if st.tree is not None:  # every parameter's gradient of this micro-batch, one tree step
+        st.tree.add([
+            g if g is not None else torch.zeros(p.shape, dtype=d, device=p.device)
+            for g, p, d in zip(st.sums, st.leaves, st.reduce_dtypes)
+        ])  # fmt: skip
+        st.sums = [None] * len(st.leaves)
 
 
 def _reduce(layout: Layout, buffers: list[int], program, st: _Stage, leaf_index, mesh) -> dict[str, torch.Tensor]:
