@@ -1,6 +1,6 @@
 """fs's pipeline parallelism against `torch.distributed.pipelining`, on a GPT and a Hugging Face Llama.
 
-    python benchmarks/pipeline.py                     # {"pp": 2} and {"pp": 4}, GPT and Llama (~10 min on 2 cores)
+    python benchmarks/pipeline.py                     # {"pp": 2} and {"pp": 4}, GPT and Llama (~15 min on 2 cores)
     python benchmarks/pipeline.py --meshes pp2 --models gpt --steps 5 --warmup 1   # a quick look
     python benchmarks/pipeline.py --quick             # smoke check: a tiny GPT, {"pp": 2}, 2 steps (~15-20 s)
 
@@ -8,22 +8,25 @@ One launch per mesh and model (gloo, one thread per rank). Every arm is built
 from the same initial weights and stepped on the same batches, interleaved step by step (arm 1's
 step k, arm 2's step k, ..., the order rotating by one every step, as benchmarks/compare.py does):
 
-  torch GPipe / 1F1B / Interleaved1F1B
+  torch GPipe / 1F1B / Interleaved1F1B / InterleavedZeroBubble / ZBVZeroBubble
                         `torch.distributed.pipelining`: the model split by hand into one
                         `nn.Module` per stage (embeddings + the first blocks, ..., the last blocks
                         + final norm + head), `PipelineStage(submodule, i, n, cpu)` for each of
-                        this rank's stages, `ScheduleGPipe` / `Schedule1F1B` (one stage per rank)
-                        or `ScheduleInterleaved1F1B` (two per rank, stage s on rank s % P),
+                        this rank's stages, `ScheduleGPipe` / `Schedule1F1B` /
+                        `ScheduleInterleavedZeroBubble` (one stage per rank: ZB-H1's order),
+                        `ScheduleInterleaved1F1B` (two per rank, stage s on rank s % P) or
+                        `ScheduleZBVZeroBubble` (two per rank in a V: stages r and 2P-1-r),
                         `loss_fn` = the micro-batch's mean cross-entropy (torch divides the summed
                         gradients by the micro-batch count: `scale_grads=True`), then
                         `torch.optim.AdamW(foreach=False)` over this rank's stages
-  fs gpipe / 1f1b / interleaved_1f1b / zb_h1
+  fs gpipe / 1f1b / interleaved_1f1b / zb_h1 / zbv
                         `fs.sharded_step(loss_fn, mesh, optimizer=fs.optim.adamw(...),
                         microbatches=M, pipeline=fs.pipeline.Pipeline(name), donate=True)`: one
                         `loss_fn` of the whole model, traced and cut into the same stages (fs's
                         default cut: the blocks split evenly, embeddings on the first stage, final
                         norm and head on the last, which is how the torch stages are cut); transfers
-                        overlapped (the default `fs.Schedule()`); interleaved with 2 stages per rank
+                        overlapped (the default `fs.Schedule()`); interleaved and zbv with 2 stages
+                        per rank
 
 Every rank pins one thread; every arm sees the same global batch at step s (a pure function of
 (seed, s)); every pipeline rank passes it (torch: rank 0 the inputs, the last stage's rank the
@@ -56,7 +59,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+)
 
 import functional_shard as fs
 from functional_shard.data import CharTokenizer, load_text
@@ -69,10 +79,13 @@ from _report import machine_line  # noqa: E402
 
 MESHES = {"pp2": {"pp": 2}, "pp4": {"pp": 4}}
 MODELS = ("gpt", "llama")
-TORCH_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
-TORCH_NAMES = {"gpipe": "torch GPipe", "1f1b": "torch 1F1B", "interleaved_1f1b": "torch Interleaved1F1B"}
-FS_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
-STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "zb_h1": 1}
+TORCH_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B,
+                   "zb_h1": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble}  # fmt: skip
+TORCH_NAMES = {"gpipe": "torch GPipe", "1f1b": "torch 1F1B", "interleaved_1f1b": "torch Interleaved1F1B",
+               "zb_h1": "torch InterleavedZeroBubble", "zbv": "torch ZBVZeroBubble"}  # fmt: skip
+FS_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv")
+STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "zb_h1": 1, "zbv": 2}
+MULTI = ("interleaved_1f1b", "zb_h1", "zbv")  # torch schedules that take a list of stages
 
 
 @dataclass(frozen=True)
@@ -259,12 +272,14 @@ class TorchArm:
         P, rank = mesh.shape["pp"], mesh.coordinates["pp"]
         v = STAGES_PER_RANK[schedule]
         n = P * v
-        self.indices = [rank + k * P for k in range(v)]  # the looped placement (torch's and fs's)
+        # the looped placement (torch's and fs's), or ZB-V's: rank r holds stages r and 2P-1-r
+        self.indices = [rank, 2 * P - 1 - rank] if schedule == "zbv" else [rank + k * P for k in range(v)]
         self.modules = [make_stage(base, s, n) for s in self.indices]
         self.stages = [PipelineStage(m, s, n, torch.device("cpu"), group=group)
                        for m, s in zip(self.modules, self.indices)]  # fmt: skip
         kind = TORCH_SCHEDULES[schedule]
-        self.schedule = kind(self.stages if v > 1 else self.stages[0], config.microbatches, loss_fn=cross_entropy)
+        self.schedule = kind(self.stages if schedule in MULTI else self.stages[0], config.microbatches,
+                             loss_fn=cross_entropy)  # fmt: skip
         self.first, self.last = 0 in self.indices, n - 1 in self.indices
         self.optimizer = hyper.torch_adamw([p for m in self.modules for p in m.parameters()])
         self.params = sum(p.numel() for m in self.modules for p in m.parameters())
@@ -501,7 +516,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=None, help="sequences per step")
     parser.add_argument("--microbatches", type=int, default=None)
     parser.add_argument("--fs-schedules", nargs="+", choices=FS_SCHEDULES, default=list(FS_SCHEDULES))
-    parser.add_argument("--torch-schedules", nargs="+", choices=list(TORCH_SCHEDULES), default=list(TORCH_SCHEDULES))
+    parser.add_argument("--torch-schedules", nargs="+", choices=list(TORCH_SCHEDULES), default=list(TORCH_SCHEDULES),
+                        help="zb_h1: ScheduleInterleavedZeroBubble (one stage per rank); zbv: ScheduleZBVZeroBubble")
     parser.add_argument("--no-reference", action="store_true", help="skip the single-process reference")
     parser.add_argument("--quick", action="store_true", help="a tiny GPT, {'pp': 2}, 2 timed steps: a smoke check")
     parser.add_argument("--json", type=Path, help="write the raw figures here")
