@@ -27,7 +27,7 @@ from ._checks import check_leaves, check_same_values
 from ._jit import agree
 from ._layout import make_layout
 from ._mesh import BaseMesh, Mesh, MeshError, PeerError
-from ._pipe_run import PointToPoint, Recorder, run_actions, saved_bytes
+from ._pipe_run import PointToPoint, Recorder, run_actions, saved_bytes, split_bytes
 from ._placed import place, resolve_placements
 from ._pytree import tree_flatten, tree_map, tree_paths
 from .initialize import shard_from
@@ -39,7 +39,8 @@ from ._tree import BUFFER, FROZEN, TRAINABLE, ModuleParams
 from .optim import LeafLayout, global_norm
 from .pipeline import Action, Pipeline, PipelineSchedule, ScheduleError, build_schedule, check, with_communication
 from .pipeline import explain as pipeline_explain
-from .pipeline import peak_in_flight as pipeline_peak_in_flight
+from .pipeline._actions import ActionKind
+from .pipeline._peaks import stage_peak_bytes
 
 __all__ = ["PipelineStep", "PipelineProfile"]
 
@@ -386,19 +387,24 @@ class PipelineStep:
         measuring the activations each stage holds, against the prediction. A collective.
 
         The measured in-flight bytes are the storages autograd saves for each micro-batch's
-        backward, added at its F and released at its B (or W); the predicted ones are
-        `fs.pipeline.peak_in_flight(schedule)` times the bytes one forward of the stage saves,
-        computed on fake tensors (no memory)."""
+        backward, added at its F and released at its B (or W; from an I to its W, the saved
+        storages still alive and the gradients kept for W); the predicted ones walk the schedule
+        (`fs.pipeline.peak_in_flight(schedule)` times the bytes one forward of the stage saves,
+        without I/W) at the bytes computed on fake tensors (no memory)."""
         self._check_state(state, "step.profile(state, batch)")
         recorder = Recorder()
         cut, _ = self._run(state, batch, recorder)
         per_mb = self.saved_per_microbatch(cut, batch)
-        per_mb = {st: per_mb[st] for st in self.schedule.stages_of(self.pp_rank)}
-        peak = pipeline_peak_in_flight(self.schedule)
+        held = None
+        if any(a.kind is ActionKind.I for row in self.schedule.actions for a in row):
+            held = self.held_after_input_per_microbatch(cut, batch)
+            held = [per_mb[s] if s in self._remat_stages else held[s] for s in range(self.num_stages)]
+        predicted = stage_peak_bytes(self.schedule, [per_mb[s] for s in range(self.num_stages)], held)
+        mine = self.schedule.stages_of(self.pp_rank)
         compute = sum(e - b for a, b, e in recorder.events if Action.parse(a).is_compute)
         return PipelineProfile(
             self.pp_rank, tuple(recorder.events), compute, dict(recorder.peak_count), dict(recorder.peak),
-            {s: peak[s] * per_mb[s] for s in per_mb}, per_mb,
+            {s: predicted[s] for s in mine}, {s: per_mb[s] for s in mine},
         )
 
     def saved_per_microbatch(self, cut: Cut, batch: Any) -> dict:
@@ -406,9 +412,21 @@ class PipelineStep:
         stage, not only this rank's: no memory, no collective)."""
         from torch._subclasses.fake_tensor import FakeTensorMode
 
+        return self._fake_stages(cut, batch, lambda p, run, params, received: saved_bytes(run)[1])
+
+    def held_after_input_per_microbatch(self, cut: Cut, batch: Any) -> dict:
+        """Stage -> bytes one micro-batch holds from its I to its W (zero bubble: the saved values
+        its I leaves alive and the gradients it keeps for W), on fake tensors."""
+        last = self.num_stages - 1
+        return self._fake_stages(cut, batch, lambda p, run, params, received: split_bytes(
+            run, received, params, p.index == last, p.sent)[1])  # fmt: skip
+
+    def _fake_stages(self, cut: Cut, batch: Any, measure: Callable) -> dict:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
         micro = tree_flatten(self._micro(batch)[0])[0]
         out = {}
-        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        with FakeTensorMode(allow_non_fake_inputs=True):
             for p in cut.stages:
                 params = [torch.empty(self._meta[i].shape, dtype=self._meta[i].dtype).requires_grad_(self._meta[i].dtype.is_floating_point)
                           for i in p.params]  # fmt: skip
@@ -416,8 +434,7 @@ class PipelineStep:
                 batch_leaves = [torch.empty(micro[i].shape, dtype=micro[i].dtype) for i in p.batch]
                 local = [torch.empty(self._meta[i].shape, dtype=self._meta[i].dtype) for i in p.local]
                 with torch.enable_grad():
-                    _, nbytes = saved_bytes(lambda: p.module(params, received, batch_leaves, local))
-                out[p.index] = nbytes
+                    out[p.index] = measure(p, lambda: p.module(params, received, batch_leaves, local), params, received)
         return out
 
     # --- what fs.analysis reads (plan_pipeline, tune_pipeline): local, no collective --------
@@ -503,5 +520,5 @@ class PipelineProfile(NamedTuple):
     compute_ns: int  # time in F/B/I/W actions (waits for received tensors left out)
     in_flight_peak: dict  # stage -> most micro-batches forwarded and not yet through B/W, measured
     in_flight_bytes: dict  # stage -> most bytes of saved activations held at once, measured
-    predicted_bytes: dict  # stage -> the same, predicted: fs.pipeline.peak_in_flight x bytes per micro-batch (fake tensors)
+    predicted_bytes: dict  # stage -> the same, predicted: the schedule walked at bytes per micro-batch (fake tensors)
     saved_per_microbatch: dict  # stage -> bytes one micro-batch's forward saves, predicted on fake tensors
