@@ -292,3 +292,19 @@ def test_zero_bubble_with_remat_and_a_tied_weight_gives_gpipe_bits():
         control = runs[0] if run[2] == 0.0 else runs[4]
         differ = [k for k in got[control] if not torch.equal(got[run][k], got[control][k])]
         assert got[run].keys() == got[control].keys() and not differ, (run, differ)
+
+
+def test_peaks_walk_what_a_micro_batch_holds_between_its_i_and_its_w():
+    """`stage_peak_bytes` / `peak_bytes(held_after_input=)`: from an I to its W a micro-batch holds
+    `held_after_input` instead of its forward's bytes. ZB-H1 at P = 2, M = 4: the last stage runs
+    1F0 1I0 1F1 1I1 1W0 ..., so 2 micro-batches past their I at once (2 x 13); the first stage
+    0F0 0F1 0I0 0W0 ..., at most one past its I beside one forwarded (10 + 13)."""
+    from functional_shard.pipeline._peaks import stage_peak_bytes
+
+    zb = fs.pipeline.zero_bubble_h1(2, 4)
+    assert stage_peak_bytes(zb, [10, 10]) == tuple(10 * n for n in fs.pipeline.peak_in_flight(zb)) == (20, 20)
+    assert stage_peak_bytes(zb, [10, 10], [13, 13]) == (23, 26)
+    assert fs.pipeline.peak_bytes(zb, [10, 10], [3, 3]) == (23, 23)  # an I frees nothing by default
+    assert fs.pipeline.peak_bytes(zb, [10, 10], [3, 3], held_after_input=[13, 13]) == (26, 29)
+    one = fs.pipeline.one_f_one_b(2, 4)  # no I: the same as without
+    assert stage_peak_bytes(one, [10, 10], [13, 13]) == stage_peak_bytes(one, [10, 10]) == (20, 10)
