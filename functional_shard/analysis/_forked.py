@@ -3,11 +3,12 @@
 Planning traces and simulates on meta tensors, one (mesh, rows) at a time, each independent of
 the others: a search spends nearly all its time there and uses one core. Forked children inherit
 the caller's objects as they are (model builders, optimizers, closures: nothing is pickled on
-the way in, as a spawned process would need), run `fn` on their share of the groups and send the
-results back pickled. A child that fails on a group leaves it out (the caller computes it
-itself and meets the error where it always did); a child that dies or cannot send leaves all of
-its share out. Results are the same values the caller would have computed: each group's work is
-deterministic and runs alone in its child.
+the way in, as a spawned process would need). Every process, the caller's included, takes the
+next group nobody has taken (the groups' costs differ) and runs `fn` on it; each child sends its
+results back pickled at the end. A group `fn` fails on is left out (the caller computes it
+itself and meets the error where it always did); a child that dies or cannot send leaves out
+the groups it took. Results are the values the caller would have computed: each group's work
+is deterministic and runs alone in one process.
 
 Only on platforms with `fork` (Linux, macOS); elsewhere, or with one worker, nothing is forked.
 Forking a process that has initialized CUDA is refused: the children could not use it, and the
@@ -35,26 +36,22 @@ def forked_map(fn: Callable[[Any], Any], groups: Sequence[Any], workers: int) ->
 
     if torch.cuda.is_initialized():
         raise RuntimeError("plan_layouts(workers > 1) forks this process, which has initialized CUDA: use workers=1")
-    shares = [list(range(len(groups)))[w::workers] for w in range(min(workers, len(groups)))]
     context = multiprocessing.get_context("fork")
+    claimed = context.Value("i", 0)  # the next group to take: whoever is free takes it (the costs differ)
     children = []
-    for share in shares[1:]:
+    for _ in range(min(workers, len(groups)) - 1):
         receive, send = context.Pipe(duplex=False)
-        child = context.Process(target=_child, args=(fn, groups, share, send), daemon=True)
+        child = context.Process(target=_child, args=(fn, groups, claimed, send), daemon=True)
         child.start()
         send.close()
         children.append((child, receive))
     results: dict[int, Any] = {}
     try:
-        for i in shares[0]:
-            try:
-                results[i] = fn(groups[i])
-            except Exception:  # noqa: BLE001 - the caller computes it again and meets the error itself
-                pass
+        results.update(_work(fn, groups, claimed))
         for child, receive in children:
             try:
                 results.update(receive.recv())
-            except (EOFError, OSError):  # the child died before sending: its share is computed by the caller
+            except (EOFError, OSError):  # the child died before sending: its groups are computed by the caller
                 pass
     finally:
         for child, receive in children:
@@ -66,16 +63,24 @@ def forked_map(fn: Callable[[Any], Any], groups: Sequence[Any], workers: int) ->
     return results
 
 
-def _child(fn, groups, share, send) -> None:
+def _work(fn, groups, claimed) -> dict[int, Any]:
     out = {}
+    while True:
+        with claimed.get_lock():
+            i = claimed.value
+            claimed.value += 1
+        if i >= len(groups):
+            return out
+        try:
+            out[i] = fn(groups[i])
+        except Exception:  # noqa: BLE001 - left out: the caller computes it again and meets the error itself
+            pass
+
+
+def _child(fn, groups, claimed, send) -> None:
     try:
-        for i in share:
-            try:
-                out[i] = fn(groups[i])
-            except Exception:  # noqa: BLE001 - left out: the caller computes it
-                pass
-        send.send(out)
-    except BaseException:  # noqa: BLE001 - unpicklable results: the caller computes the whole share
+        send.send(_work(fn, groups, claimed))
+    except BaseException:  # noqa: BLE001 - unpicklable results: the caller computes them
         traceback.print_exc()
     finally:
         send.close()
