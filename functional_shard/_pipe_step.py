@@ -27,7 +27,8 @@ from ._checks import check_leaves, check_same_values
 from ._jit import agree
 from ._layout import make_layout
 from ._mesh import BaseMesh, Mesh, MeshError, PeerError
-from ._pipe_run import PointToPoint, Recorder, run_actions, saved_bytes, split_bytes
+from ._pipe_figures import StageFigures
+from ._pipe_run import PointToPoint, Recorder, run_actions
 from ._placed import place, resolve_placements
 from ._pytree import tree_flatten, tree_map, tree_paths
 from .initialize import shard_from
@@ -45,7 +46,7 @@ from .pipeline._peaks import stage_peak_bytes
 __all__ = ["PipelineStep", "PipelineProfile"]
 
 
-class PipelineStep:
+class PipelineStep(StageFigures):
     """A pipelined (and sharded) training step; made by `fs.sharded_step(..., pipeline=...)` on a
     mesh with a `pp` axis. `init(params)`, `step(state, batch)`, `evaluate(state, batch)`,
     `explain()`, as `ShardedStep`'s."""
@@ -407,36 +408,6 @@ class PipelineStep:
             {s: predicted[s] for s in mine}, {s: per_mb[s] for s in mine},
         )
 
-    def saved_per_microbatch(self, cut: Cut, batch: Any) -> dict:
-        """Stage -> bytes one micro-batch's forward saves for its backward, on fake tensors (every
-        stage, not only this rank's: no memory, no collective)."""
-        from torch._subclasses.fake_tensor import FakeTensorMode
-
-        return self._fake_stages(cut, batch, lambda p, run, params, received: saved_bytes(run)[1])
-
-    def held_after_input_per_microbatch(self, cut: Cut, batch: Any) -> dict:
-        """Stage -> bytes one micro-batch holds from its I to its W (zero bubble: the saved values
-        its I leaves alive and the gradients it keeps for W), on fake tensors."""
-        last = self.num_stages - 1
-        return self._fake_stages(cut, batch, lambda p, run, params, received: split_bytes(
-            run, received, params, p.index == last, p.sent)[1])  # fmt: skip
-
-    def _fake_stages(self, cut: Cut, batch: Any, measure: Callable) -> dict:
-        from torch._subclasses.fake_tensor import FakeTensorMode
-
-        micro = tree_flatten(self._micro(batch)[0])[0]
-        out = {}
-        with FakeTensorMode(allow_non_fake_inputs=True):
-            for p in cut.stages:
-                params = [torch.empty(self._meta[i].shape, dtype=self._meta[i].dtype).requires_grad_(self._meta[i].dtype.is_floating_point)
-                          for i in p.params]  # fmt: skip
-                received = [torch.empty(b.shape, dtype=b.dtype).requires_grad_(b.differentiable) for b in p.received]
-                batch_leaves = [torch.empty(micro[i].shape, dtype=micro[i].dtype) for i in p.batch]
-                local = [torch.empty(self._meta[i].shape, dtype=self._meta[i].dtype) for i in p.local]
-                with torch.enable_grad():
-                    out[p.index] = measure(p, lambda: p.module(params, received, batch_leaves, local), params, received)
-        return out
-
     # --- what fs.analysis reads (plan_pipeline, tune_pipeline): local, no collective --------
 
     def stage_cut(self, state: StepState, batch: Any) -> Cut:
@@ -444,34 +415,6 @@ class PipelineStep:
         collective: the ranks compare their cuts)."""
         self._check_state(state, "step.stage_cut(state, batch)")
         return self._cut(self._micro(batch)[0])
-
-    def stage_param_elements(self) -> dict:
-        """Stage -> parameter elements of its units (whole leaves, this rank's tp pieces)."""
-        out = {s: 0 for s in range(self.num_stages)}
-        for meta, stage in zip(self._meta, self._stage_of_leaf):
-            if stage is not None:
-                out[stage] += meta.numel()
-        return out
-
-    def state_bytes_per_element(self, state: StepState | None = None) -> int:
-        """Bytes a rank holds between steps per parameter element it keeps: the shard, the
-        optimizer state (read from `state` when given; else AdamW's two float32 moments) and a
-        gradient shard."""
-        shard = max((m.dtype.itemsize for m in self._meta if m.dtype.is_floating_point), default=4)
-        if state is None:
-            return shard + 8 + shard
-        elements = sum(s.numel() for s in state.params.shards) or 1
-        optimizer = sum(t.numel() * t.element_size() for t in tree_flatten(state.opt_state)[0]
-                        if isinstance(t, torch.Tensor) and t.dim() > 0)  # fmt: skip
-        return round(shard + optimizer / elements + shard)
-
-    def gather_bytes_per_element(self) -> int:
-        """Bytes per parameter element of a stage while it runs: its gathered leaves and their summed gradient."""
-        return 2 * max((m.dtype.itemsize for m in self._meta if m.dtype.is_floating_point), default=4)
-
-    def batch_rows(self, batch: Any) -> int:
-        """The leading dimension of the batch's tensors (what micro-batches cut)."""
-        return next(t.shape[0] for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor))
 
     def explain(self) -> str:
         """The lowered schedule rank by rank, its grid and bubble at unit costs (F = 1, B = 2), and

@@ -14,7 +14,9 @@ traces extended in depth.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import os
 
 import pytest
 import torch
@@ -127,6 +129,30 @@ def test_pipelines_bubble_and_throughput():
     for c in result.candidates:
         assert c.axes == {"pp": 2, "fsdp": 4} and 0 < c.bubble < 1 and c.exposed_s > 0
         assert math.isclose(c.tokens_per_s_per_gpu, 32 * LENGTH / c.step_s / 8, rel_tol=1e-9)
+    # ranks sharing compute units (2 per unit): an idle rank's share goes to the busy ones, so each
+    # pipeline runs faster, by less than the sharing; its bubble and memory are the same
+    shared = fs.analysis.plan_layouts(
+        build, batch, layers=8, world_size=8, global_batch=32, tokens_per_row=LENGTH,
+        machine=dataclasses.replace(MACHINE, shared_compute=2.0), budget_bytes=1 << 30, optimizer=OPTIMIZER,
+        precision=PRECISION, space=fs.analysis.LayoutSpace(tp=(1,), pp=(2,), remat=(("full", True),), microbatches=(1, 2)),
+    )  # fmt: skip
+    for c in shared.candidates:
+        alone = by[(c.schedule, c.microbatches)]
+        assert alone.step_s / 2 < c.step_s < alone.step_s and c.bubble == alone.bubble and c.peak_bytes == alone.peak_bytes
+    with pytest.raises(ValueError, match="shared_compute"):
+        dataclasses.replace(MACHINE, shared_compute=0.5)
+
+
+def _shared_compute(mesh):
+    from functional_shard.analysis._calibrate import _shared_compute
+
+    return _shared_compute(mesh), torch.get_num_threads(), len(os.sched_getaffinity(0))
+
+
+def test_calibrate_counts_the_ranks_sharing_this_hosts_cores(local_world):
+    out = local_world(4).run(_shared_compute)
+    threads, cores = sum(t for _, t, _ in out), out[0][2]
+    assert {shared for shared, _, _ in out} == {max(1.0, threads / cores)}
 
 
 def test_space_is_checked():

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import glob
 import itertools
+import os
 import socket
 import statistics
 import time
@@ -241,6 +242,7 @@ def calibrate(mesh, *, path: str | None = None, name: str | None = None, quick: 
         attention_flops=_mean(mesh, attention) if attention else 0.0,
         op_curves_by_bytes=gpu,
         host_bandwidth=_mean(mesh, _host_bandwidth(device, quick)) if gpu else 0.0,
+        shared_compute=1.0 if gpu else _shared_compute(mesh),
     )
     if path is not None and mesh.rank == 0:
         machine.save(path)
@@ -363,6 +365,16 @@ def _expected_collective_seconds(mesh, fn, repeat: int) -> float:
 def _everyone(mesh, values: list[float]) -> list[list[float]]:
     mine = torch.tensor(values, dtype=torch.float64)
     return mesh.all_gather_world(mine.to(getattr(mesh, "device", "cpu"))).view(mesh.world_size, -1).cpu().tolist()
+
+
+def _shared_compute(mesh) -> float:
+    """CPU threads of this host's ranks per core this process may use (>= 1): how many ranks share
+    a core while every rank computes."""
+    host = zlib.crc32(socket.gethostname().encode())
+    rows = _everyone(mesh, [float(host), float(torch.get_num_threads())])
+    threads = sum(row[1] for row in rows if row[0] == float(host))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1.0, threads / cores)
 
 
 def _slowest(mesh, value: float) -> float:

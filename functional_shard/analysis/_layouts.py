@@ -36,7 +36,10 @@ on the `Machine` (`cluster_machine`: a GPU's data sheet, NVLink, the network):
   between their nodes. Each unit is gathered and reduce-scattered once per step (FSDP under a
   pipeline keeps a stage gathered across micro-batches, as FSDP2 does under torch's pipelining),
   beside the pipeline's computation: exposed is what does not fit in the rank's busy time, and
-  at least one block's gather and reduce-scatter; then the optimizer. Memory per rank: its
+  at least one block's gather and reduce-scatter; then the optimizer. Where ranks share compute
+  units (`Machine.shared_compute` > 1: CPU processes on fewer cores), an idle rank's share goes
+  to the busy ones: the pipeline takes the longer of its critical path at a lone rank's speed and
+  its ranks' work spread over the units. Memory per rank: its
   layers' state, its stages' gathered parameters, the most in-flight activations and summed
   gradients alive at once (`fs.pipeline.peak_bytes`: walked along the rank's actions, a stage's
   gradients appearing with its first backward), plus the working set on top (the loss's on the
@@ -325,13 +328,17 @@ def _piped(tracer: Tracer, axes, dims, p, name, v, m, mb_rows, label, remat, lay
         working = intercept.transient + slope.transient if has_last else intercept.block_transient + slope.block_transient
         peaks.append(state + parameters + walked[rank] + working)
         flops += m * (k * slope.flops + (intercept.flops if has_last else 0.0))
-    step_s = timeline.makespan + max(steps)
+    # Ranks sharing compute units (CPU processes on fewer cores): an idle rank's share goes to the busy
+    # ones, so the pipeline takes its critical path at a lone rank's speed, or the work of all its
+    # ranks spread over the units, whichever is longer (the rates were measured with every rank busy).
+    share = machine.shared_compute
+    pipelined = timeline.makespan if share <= 1 else max(timeline.makespan / share, sum(timeline.busy) / p)
+    step_s = pipelined + max(steps)
     peak = max(peaks)
-    busy = max(timeline.busy)
     return LayoutCandidate(
         axes, label, name, m, step_s, global_batch * tokens / step_s / world,
         flops / p / step_s / peak_flops if peak_flops else 0.0, round(peak * (1 + machine.allocator_overhead)), round(peak),
-        timeline.makespan - busy + max(exposed), max(timeline.bubble), True, "",
+        max(0.0, pipelined - max(timeline.busy)) + max(exposed), max(timeline.bubble), True, "",
     )  # fmt: skip
 
 

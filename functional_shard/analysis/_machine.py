@@ -102,6 +102,10 @@ class Machine:
         host_bandwidth: bytes/s of a copy between host memory and the device (CPU offload's
             `offload_copy` nodes: PCIe from pinned memory on a GPU); 0: priced as a copy in
             memory (a CPU, where host and device are one).
+        shared_compute: ranks per compute unit (CPU processes x threads over cores; 1 where each
+            rank has its own GPU): the rates above are what a rank computes at while every rank
+            computes (`calibrate` measures them so); a rank alone runs up to this many times
+            faster. A pipeline's idle ranks give their share to the busy ones (`plan_layouts`).
     """
 
     name: str
@@ -126,6 +130,7 @@ class Machine:
     allocator_overhead: float = 0.0
     op_curves_by_bytes: bool = False
     host_bandwidth: float = 0.0
+    shared_compute: float = 1.0
 
     def __post_init__(self) -> None:
         for field in ("op_seconds", "op_seconds_hot"):
@@ -151,6 +156,8 @@ class Machine:
                 f"Machine.ranks_per_node ({self.ranks_per_node}) needs a positive network_bandwidth between nodes; "
                 f"got {self.network_bandwidth}"
             )
+        if not self.shared_compute >= 1.0:
+            raise ValueError(f"Machine.shared_compute must be >= 1 (ranks per compute unit); got {self.shared_compute}")
         if self.allocator_overhead < 0:
             raise ValueError(f"Machine.allocator_overhead must be >= 0; got {self.allocator_overhead}")
         if not 0.0 <= self.overlap_penalty <= 1.0:

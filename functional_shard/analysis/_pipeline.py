@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from ..pipeline import Costs, analyze, build_schedule, Pipeline, peak_bytes, peak_in_flight
+from ..pipeline._peaks import stage_peak_bytes
 from ._costs import node_cost
 from ._machine import Machine, h100_sxm
 from ._ranking import rank_with_reasons
@@ -34,6 +35,7 @@ class StagePlan(NamedTuple):
     forward_flops: int  # FLOPs of one micro-batch's forward
     forward_s: float  # its time on the plan's machine
     saved_bytes: int  # bytes its forward saves for the backward (the activations in flight)
+    held_after_input_bytes: int  # bytes a micro-batch holds from its I to its W (zero bubble; else unused)
     sent_bytes: int  # bytes it sends to the next stage (activations; cotangents come back as many or fewer)
     param_elements: int  # parameter elements of its units (whole, before fsdp)
 
@@ -60,7 +62,7 @@ class PipelinePlan(NamedTuple):
     makespan_s: float  # the pipelined part of one step (forward and backward of every micro-batch)
     bubble: tuple[float, ...]  # per pipeline rank: idle fraction
     peak_in_flight: tuple[int, ...]  # per stage: micro-batches held at once
-    activation_bytes: tuple[int, ...]  # per rank: peak bytes of in-flight activations
+    activation_bytes: tuple[int, ...]  # per rank: peak bytes of in-flight activations (`fs.pipeline.stage_peak_bytes` per stage)
     state_bytes: tuple[int, ...]  # per rank: parameter shards, optimizer state and gradient shards
     gathered_bytes: tuple[int, ...]  # per rank: its stages' gathered parameters and summed full gradients
     p2p_bytes: tuple[int, ...]  # per rank: bytes it sends in one step (activations forward, cotangents back)
@@ -128,6 +130,7 @@ class _StageFigures(NamedTuple):
     flops: int
     seconds: float
     saved: int
+    held: int  # from its I to its W
     sent: int
     elements: int
 
@@ -137,12 +140,13 @@ def _stage_figures(step: Any, state: Any, batch: Any, machine: Machine) -> list[
     (fake tensors), bytes sent forward, parameter elements."""
     cut = step.stage_cut(state, batch)
     saved = step.saved_per_microbatch(cut, batch)
+    held = step.held_after_input_per_microbatch(cut, batch)
     elements = step.stage_param_elements()
     out = []
     for p in cut.stages:
         flops, seconds = _stage_seconds(p.module, machine)
         sent = sum(_nbytes(b) for b in p.sent) if p.index < len(cut.stages) - 1 else 0
-        out.append(_StageFigures(flops, seconds, saved[p.index], sent, elements[p.index]))
+        out.append(_StageFigures(flops, seconds, saved[p.index], held[p.index], sent, elements[p.index]))
     return out
 
 
@@ -160,7 +164,7 @@ def _plan(step: Any, state: Any, figures: list[_StageFigures], machine: Machine,
     scale = m0 / m  # per-micro-batch figures scale with the rows of a micro-batch
     stages = [
         StagePlan(i, compute.rank_of(i), int(f.flops * scale), f.seconds * scale, int(f.saved * scale),
-                  int(f.sent * scale), f.elements)  # fmt: skip
+                  int(f.held * scale), int(f.sent * scale), f.elements)  # fmt: skip
         for i, f in enumerate(figures)
     ]
     link = machine.collective_bandwidth.get("all_gather", 0) or 1.0
@@ -171,6 +175,8 @@ def _plan(step: Any, state: Any, figures: list[_StageFigures], machine: Machine,
     ]
     analysis = analyze(compute.compute_only(), dict(enumerate(costs)))
     peaks = peak_in_flight(compute)
+    saved, after_input = [s.saved_bytes for s in stages], [s.held_after_input_bytes for s in stages]
+    per_stage = stage_peak_bytes(compute, saved, after_input)
     fsdp = step.mesh.num_shards
     per_element = step.state_bytes_per_element(state)
     gather_bytes = step.gather_bytes_per_element()
@@ -189,12 +195,12 @@ def _plan(step: Any, state: Any, figures: list[_StageFigures], machine: Machine,
         p2p.append(out)
     return PipelinePlan(
         compute.name, step.num_ranks, m, tuple(stages), analysis.makespan, tuple(analysis.bubble), tuple(peaks),
-        tuple(sum(peaks[s.stage] * s.saved_bytes for s in held[r]) for r in ranks),
+        tuple(round(sum(per_stage[s.stage] for s in held[r])) for r in ranks),
         states, gathered_bytes,
         tuple(p2p), per_element, fsdp,
         tuple(state + gathered // 2 + round(walked) for state, gathered, walked in zip(
-            states, gathered_bytes, peak_bytes(compute.compute_only(), [s.saved_bytes for s in stages],
-                                               [s.param_elements * gather_bytes // 2 for s in stages]))),
+            states, gathered_bytes, peak_bytes(compute.compute_only(), saved, [s.param_elements * gather_bytes // 2 for s in stages],
+                                               after_input))),
     )  # fmt: skip
 
 
