@@ -60,7 +60,7 @@ MACHINE = fs.analysis.cluster_machine(fs.analysis.H100_SXM, world_size=8)
 OPTIMIZER = fs.optim.adamw(lr=1e-3)
 
 
-def search(space, *, layers=8, budget=1 << 30, global_batch=32, workers=1):
+def search(space, *, layers=8, budget=1 << 30, global_batch=32, workers=2):
     return fs.analysis.plan_layouts(
         build, batch, layers=layers, world_size=8, global_batch=global_batch, tokens_per_row=LENGTH, machine=MACHINE,
         budget_bytes=budget, optimizer=OPTIMIZER, precision=PRECISION, space=space,
@@ -70,14 +70,14 @@ def search(space, *, layers=8, budget=1 << 30, global_batch=32, workers=1):
 
 @pytest.fixture(scope="module")
 def flat():
-    return search(fs.analysis.LayoutSpace(tp=(1, 2), pp=(1,)), layers=10)
+    return search(fs.analysis.LayoutSpace(tp=(1, 2), pp=(1,)), layers=7)  # extended from traces at 3 and 4 blocks
 
 
 @pytest.mark.parametrize("axes", [{"fsdp": 8}, {"fsdp": 4, "tp": 2}])
 def test_depth_extension_is_the_full_depth_plan(flat, axes):
     mesh = fs.analysis.AbstractMesh(axes)
     for label, remat in fs.analysis.LayoutSpace().remat:
-        loss_fn, params, rules = build(10, mesh)
+        loss_fn, params, rules = build(7, mesh)
         analysis, compiled = fs.analysis.plan(
             loss_fn, params, batch(32 // axes["fsdp"]), mesh=mesh, optimizer=OPTIMIZER, precision=PRECISION, placements=rules,
             schedule=fs.Schedule(reduce_scatters_in_flight=1, remat=remat),
@@ -109,10 +109,10 @@ def test_ranked_fitting_first_fastest_first_and_every_loser_says_why(flat):
 def test_layouts_that_cannot_be_planned_are_listed_with_the_reason():
     # 4 heads: tp 8 cannot split them; a global batch of 12 does not cut into 8 data-parallel ranks
     space = fs.analysis.LayoutSpace(tp=(1, 2, 8), pp=(1, 2), remat=(("none", False),))
-    result = search(space, global_batch=12)
-    # traced in 2 processes (this one and a forked copy): the same candidates, failures included
-    # (a worker that fails on a mesh leaves it to this process, which meets the error itself)
-    assert search(space, global_batch=12, workers=2).candidates == result.candidates
+    result = search(space, global_batch=12)  # traced in 2 processes: this one and a forked copy
+    # the same candidates as in one process, failures included (a worker that fails on a mesh
+    # leaves it to this process, which meets the error itself)
+    assert search(space, global_batch=12, workers=1).candidates == result.candidates
     reasons = {tuple(sorted(c.axes.items())): c.why for c in result.candidates}
     assert "not plannable" in reasons[(("tp", 8),)] and "cannot be split over axis 'tp'" in reasons[(("tp", 8),)]
     assert "does not cut into 8 data-parallel ranks" in reasons[(("fsdp", 8),)]
@@ -135,6 +135,7 @@ def test_pipelines_bubble_and_throughput():
         build, batch, layers=8, world_size=8, global_batch=32, tokens_per_row=LENGTH,
         machine=dataclasses.replace(MACHINE, shared_compute=2.0), budget_bytes=1 << 30, optimizer=OPTIMIZER,
         precision=PRECISION, space=fs.analysis.LayoutSpace(tp=(1,), pp=(2,), remat=(("full", True),), microbatches=(1, 2)),
+        workers=2,
     )  # fmt: skip
     for c in shared.candidates:
         alone = by[(c.schedule, c.microbatches)]
