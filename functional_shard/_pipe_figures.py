@@ -26,12 +26,13 @@ class StageFigures:
         stage, not only this rank's: no memory, no collective)."""
         return self._fake_stages(cut, batch, lambda p, run, params, received: saved_bytes(run)[1])
 
-    def held_after_input_per_microbatch(self, cut: Cut, batch: Any) -> dict:
-        """Stage -> bytes one micro-batch holds from its I to its W (zero bubble: the saved values
-        its I leaves alive and the gradients it keeps for W), on fake tensors."""
+    def split_bytes_per_microbatch(self, cut: Cut, batch: Any) -> dict:
+        """Stage -> (bytes one micro-batch's forward saves, bytes it holds from its I to its W: the
+        saved values its I leaves alive and the gradients it keeps for W), on fake tensors; one
+        forward per stage gives both (`saved_per_microbatch`'s figure is the first)."""
         last = self.num_stages - 1
         return self._fake_stages(cut, batch, lambda p, run, params, received: split_bytes(
-            run, received, params, p.index == last, p.sent)[1])  # fmt: skip
+            run, received, params, p.index == last, p.sent))  # fmt: skip
 
     def _fake_stages(self, cut: Cut, batch: Any, measure: Callable) -> dict:
         from torch._subclasses.fake_tensor import FakeTensorMode

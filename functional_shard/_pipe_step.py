@@ -395,11 +395,13 @@ class PipelineStep(StageFigures):
         self._check_state(state, "step.profile(state, batch)")
         recorder = Recorder()
         cut, _ = self._run(state, batch, recorder)
-        per_mb = self.saved_per_microbatch(cut, batch)
         held = None
         if any(a.kind is ActionKind.I for row in self.schedule.actions for a in row):
-            held = self.held_after_input_per_microbatch(cut, batch)
-            held = [per_mb[s] if s in self._remat_stages else held[s] for s in range(self.num_stages)]
+            sizes = self.split_bytes_per_microbatch(cut, batch)  # one fake forward per stage for both figures
+            per_mb = {s: saved for s, (saved, _) in sizes.items()}
+            held = [per_mb[s] if s in self._remat_stages else sizes[s][1] for s in range(self.num_stages)]
+        else:
+            per_mb = self.saved_per_microbatch(cut, batch)
         predicted = stage_peak_bytes(self.schedule, [per_mb[s] for s in range(self.num_stages)], held)
         mine = self.schedule.stages_of(self.pp_rank)
         compute = sum(e - b for a, b, e in recorder.events if Action.parse(a).is_compute)

@@ -139,14 +139,13 @@ def _stage_figures(step: Any, state: Any, batch: Any, machine: Machine) -> list[
     """Per stage, read from its program once: FLOPs and time on `machine`, bytes saved per micro-batch
     (fake tensors), bytes sent forward, parameter elements."""
     cut = step.stage_cut(state, batch)
-    saved = step.saved_per_microbatch(cut, batch)
-    held = step.held_after_input_per_microbatch(cut, batch)
+    sizes = step.split_bytes_per_microbatch(cut, batch)  # (saved, held from I to W) per stage
     elements = step.stage_param_elements()
     out = []
     for p in cut.stages:
         flops, seconds = _stage_seconds(p.module, machine)
         sent = sum(_nbytes(b) for b in p.sent) if p.index < len(cut.stages) - 1 else 0
-        out.append(_StageFigures(flops, seconds, saved[p.index], held[p.index], sent, elements[p.index]))
+        out.append(_StageFigures(flops, seconds, *sizes[p.index], sent, elements[p.index]))
     return out
 
 
@@ -184,6 +183,8 @@ def _plan(step: Any, state: Any, figures: list[_StageFigures], machine: Machine,
     held = [[s for s in stages if s.rank == r] for r in ranks]
     states = tuple(sum(s.param_elements for s in held[r]) * per_element // fsdp for r in ranks)
     gathered_bytes = tuple(sum(s.param_elements for s in held[r]) * gather_bytes for r in ranks)
+    # gathered = parameters + their summed gradients, alike in size: the gradients come in the walk
+    walked = peak_bytes(compute.compute_only(), saved, [s.param_elements * gather_bytes // 2 for s in stages], after_input)
     p2p = []
     for r in ranks:
         out = 0
@@ -198,9 +199,7 @@ def _plan(step: Any, state: Any, figures: list[_StageFigures], machine: Machine,
         tuple(round(sum(per_stage[s.stage] for s in held[r])) for r in ranks),
         states, gathered_bytes,
         tuple(p2p), per_element, fsdp,
-        tuple(state + gathered // 2 + round(walked) for state, gathered, walked in zip(
-            states, gathered_bytes, peak_bytes(compute.compute_only(), saved, [s.param_elements * gather_bytes // 2 for s in stages],
-                                               after_input))),
+        tuple(state + gathered // 2 + round(w) for state, gathered, w in zip(states, gathered_bytes, walked)),
     )  # fmt: skip
 
 
