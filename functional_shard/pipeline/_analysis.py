@@ -21,6 +21,7 @@ from typing import Mapping, NamedTuple, Union
 
 from ._actions import BACKWARD, Action, ActionKind, PipelineSchedule
 from ._check import check
+from ._peaks import stage_peak_bytes
 
 __all__ = ["Costs", "Interval", "Analysis", "analyze", "explain"]
 
@@ -75,16 +76,7 @@ def _costs_for(costs: CostsLike, stage: int) -> Costs:
 def peak_in_flight(schedule: PipelineSchedule) -> tuple[int, ...]:
     """Per stage, the most micro-batches whose activations are held at once: forwarded and not yet
     through their backward (B, or W for split backwards: W still reads the stage's input)."""
-    peak = [0] * schedule.num_stages
-    for row in schedule.actions:
-        live = [0] * schedule.num_stages
-        for a in row:
-            if a.kind is K.F:
-                live[a.stage] += 1
-                peak[a.stage] = max(peak[a.stage], live[a.stage])
-            elif a.kind in (K.B, K.W):
-                live[a.stage] -= 1
-    return tuple(peak)
+    return tuple(round(n) for n in stage_peak_bytes(schedule, [1] * schedule.num_stages))  # one "byte" per micro-batch
 
 
 def analyze(schedule: PipelineSchedule, costs: CostsLike = Costs()) -> Analysis:
