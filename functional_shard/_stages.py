@@ -37,7 +37,7 @@ from . import _tracing
 from ._losses import StepError, WeightedLoss, check_loss, split_loss
 from ._pytree import tree_flatten, tree_unflatten
 
-__all__ = ["Boundary", "StageProgram", "Cut", "assign_stages", "cut_stages", "unit_of_nodes"]
+__all__ = ["Boundary", "StageProgram", "Cut", "assign_stages", "cut_stages", "cut_traced", "unit_of_nodes"]
 
 _FREE = -1  # the stage of a value every stage may recompute (from the batch, buffers, constants)
 
@@ -182,7 +182,8 @@ def cut_stages(
             shapes, dtypes and devices are read).
         stage_of_leaf: per leaf, its stage, or None for a module buffer (every stage holds them).
         micro_batch: one micro-batch (its tensors' shapes and dtypes are read).
-        num_stages: the stages of the pipeline (0: return the traced graph, uncut).
+        num_stages: the stages of the pipeline (0: return the traced graph, uncut; `cut_traced`
+            cuts it, as often as wanted).
         mesh: the step's mesh (for `split_loss` messages).
     """
     batch_leaves, batch_def = tree_flatten(micro_batch)
@@ -219,9 +220,16 @@ def cut_stages(
             f"(tensor-parallel collectives, straight-through estimators, ...). Pipelining does not compose with "
             f"them yet (docs/pipelining.md): run without pp, or write the operation from differentiable torch ops"
         )
-    if num_stages == 0:  # the trace alone (`unit_of_nodes`)
+    gm.meta["fs_loss"] = info
+    if num_stages == 0:  # the trace alone (`unit_of_nodes`, `cut_traced`)
         return gm
-    return _cut(gm, len(param_leaves), stage_of_leaf, num_stages, info)
+    return cut_traced(gm, len(param_leaves), stage_of_leaf, num_stages)
+
+
+def cut_traced(gm: fx.GraphModule, num_params: int, stage_of_leaf: Sequence[int | None], num_stages: int) -> Cut:
+    """The trace `cut_stages(..., num_stages=0)` returned, cut into `num_stages` programs (no new
+    trace: the programs' nodes are copies of `gm`'s, their `meta` shared)."""
+    return _cut(gm, num_params, stage_of_leaf, num_stages, gm.meta["fs_loss"])
 
 
 def unit_of_nodes(gm: fx.GraphModule, num_params: int, position_of_leaf: Sequence[int | None]) -> dict[fx.Node, int]:
@@ -371,6 +379,8 @@ def _program(graph, s, stage, received, sent_nodes, params, batch, param_index, 
         env[n] = new.call_function(operator.getitem, (b_in, k))
     for k, n in enumerate(local):
         env[n] = new.call_function(operator.getitem, (l_in, k))
+    for n in (*own_params, *received, *reads, *local):  # what the input stands for (the analysis reads shapes)
+        env[n].meta["val"] = n.meta.get("val")
     for n in graph.nodes:
         if n in needed and n not in env and n.op not in ("placeholder", "output"):
             env[n] = new.node_copy(n, lambda x: env[x])
