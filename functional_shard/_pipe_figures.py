@@ -46,8 +46,10 @@ class StageFigures:
                 received = [torch.empty(b.shape, dtype=b.dtype).requires_grad_(b.differentiable) for b in p.received]
                 batch_leaves = [torch.empty(micro[i].shape, dtype=micro[i].dtype) for i in p.batch]
                 local = [torch.empty(self._meta[i].shape, dtype=self._meta[i].dtype) for i in p.local]
+                # run(): the program on these inputs; run(call): `call` (an fx.Interpreter's run, say) on them
+                run = lambda call=p.module: call(params, received, batch_leaves, local)  # noqa: E731
                 with torch.enable_grad():
-                    out[p.index] = measure(p, lambda: p.module(params, received, batch_leaves, local), params, received)
+                    out[p.index] = measure(p, run, params, received)
         return out
 
     def stage_param_elements(self) -> dict:

@@ -141,10 +141,11 @@ def alive_bytes(refs: dict) -> int:
     return sum(n for ref, n in refs.values() if not ref.expired())
 
 
-def split_bytes(run, received: list, params: list, last: bool, sent) -> tuple[int, int]:
+def split_bytes(run, received: list, params: list, last: bool, sent, storages: dict | None = None) -> tuple[int, int]:
     """A stage's forward `run()` (from `received`, with `params`) then its I, seeded with ones (on
     fake tensors: the predictions): (bytes the forward saves, bytes its micro-batch holds from I
-    to W — the saved storages I leaves alive and the gradients it keeps for W)."""
+    to W — the saved storages I leaves alive and the gradients it keeps for W). `storages`, a
+    dict, gets each saved storage's id -> (bytes, alive after I)."""
     refs: dict = {}
     outputs, nbytes = saved_bytes(run, refs)
     roots = [outputs[0]] if last else [o for o, b in zip(outputs, sent) if b.differentiable]
@@ -153,6 +154,8 @@ def split_bytes(run, received: list, params: list, last: bool, sent) -> tuple[in
     inputs = [t for t in received if t.requires_grad]
     _, split = _split_backward.backward_input(roots, [torch.ones_like(r) for r in roots], inputs, params)
     del roots
+    if storages is not None:
+        storages.update({k: (n, not ref.expired()) for k, (ref, n) in refs.items()})
     return nbytes, alive_bytes(refs) + split.kept_bytes()
 
 

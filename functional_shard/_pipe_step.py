@@ -174,6 +174,8 @@ class PipelineStep(StageFigures):
         index_of = {p: i for i, p in enumerate(layout.paths)}
         self._leaf_index = {i: index_of[p] for i, p in enumerate(paths) if p in index_of}
         self._stage_of_leaf = [None if r == BUFFER else stage_of_unit[unit_names[p]] for p, r in zip(paths, roles)]
+        self._units, position = tuple(order), {u: k for k, u in enumerate(order)}  # what a cut search cuts (fs.analysis)
+        self._unit_of_leaf = [None if r == BUFFER else position[unit_names[p]] for p, r in zip(paths, roles)]
         gather = {i: spec.gather_dtype for spec in computed.buffers for i in spec.leaves}
         shapes, dtypes = computed.shapes, [gather.get(i, leaf.dtype) for i, leaf in enumerate(leaves)]
         self._treedef = tree_flatten(params)[1]

@@ -4,8 +4,9 @@ in this process, no ranks and no memory.
 - `plan_pipeline`: the schedule's bubble at the stages' predicted costs, the in-flight
   activations per rank = `fs.pipeline.peak_in_flight` x the bytes one micro-batch's forward saves,
   point-to-point bytes = what crosses each boundary x M (activations forward, cotangents back);
-- `tune_pipeline`: schedules x micro-batch counts, those within the budget first, fastest first,
-  each with its reason;
+- `tune_pipeline`: schedules x micro-batch counts x stage cuts, those within the budget first,
+  fastest first, each with its reason; a cut's figures composed from per-unit ones equal those of
+  a step built with that cut; a heavy head gets a cut of its own, a tight budget a lighter cut;
 - `balance_stages`: a contiguous cut covering every unit that is never slower (predicted) than
   the default cut, and gives the heavy head of a large vocabulary a stage of its own;
 - a 3-D layout (`{"pp": 2, "fsdp": 2, "tp": 2}`) of a Hugging Face Llama plans.
@@ -57,7 +58,8 @@ def test_plan_and_tune_a_pipelined_gpt_on_an_abstract_mesh():
     gpipe = fs.analysis.plan_pipeline(step, state, _batch(), schedule="gpipe")
     assert gpipe.peak_in_flight == (4, 4) and gpipe.activation_bytes[0] > plan.activation_bytes[0]
     budget = (max(plan.peak_bytes) + max(gpipe.peak_bytes)) // 2  # 1F1B at M=4 fits, GPipe at M=4 does not
-    ranked = fs.analysis.tune_pipeline(step, state, _batch(), budget_bytes=budget)
+    ranked = fs.analysis.tune_pipeline(step, state, _batch(), budget_bytes=budget, cuts=False)  # the step's own cut
+    assert all(c.cut == "own" and c.stages == (("input", "blocks.0", "blocks.1"), ("blocks.2", "blocks.3", "output")) for c in ranked)
     assert all(c.why for c in ranked)
     fits = [c.fits for c in ranked]
     assert fits == sorted(fits, reverse=True)  # every candidate within the budget ranks first
@@ -130,3 +132,85 @@ def test_a_three_dimensional_layout_of_a_hugging_face_llama_plans():
     total = sum(s.param_elements for s in plan.stages)
     whole = sum(p.numel() for p in model.parameters())
     assert whole // 2 < total < whole
+
+
+def _llama(layers=4):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    apply_fn, params = fs.functionalize(model)
+
+    def loss_fn(p, batch):
+        ids, labels = batch
+        return F.cross_entropy(apply_fn(p, input_ids=ids).logits.flatten(0, 1), labels.flatten())
+
+    return loss_fn, params
+
+
+def test_a_cut_composed_from_units_plans_as_a_step_built_with_that_cut():
+    # Llama: rotary tables every block recomputes (once per stage), a stage's I keeping more than its
+    # blocks' alone (the pair corrections), zero bubble (the bytes held from I to W count)
+    from functional_shard.analysis._cuts import unit_table
+
+    loss_fn, params = _llama()
+    mesh, batch = fs.analysis.AbstractMesh({"pp": 2}), _batch(8, 16)
+    cut = (("input", "model.layers.0"), ("model.layers.1", "model.layers.2", "model.layers.3", "output"))
+    steps = {}
+    for stages in (None, cut):
+        step = fs.sharded_step(loss_fn, mesh, optimizer=fs.optim.adamw(lr=1e-3), microbatches=4,
+                               pipeline=fs.pipeline.Pipeline("zb_h1", stages=stages))  # fmt: skip
+        steps[stages] = step, step.init_abstract(params)
+    real = fs.analysis.plan_pipeline(*steps[cut], batch)
+    step, state = steps[None]  # the default cut ("blocks": 3 + 3 units), composed into the other
+    table = unit_table(step, state, batch, fs.analysis.h100_sxm())
+    assert table.units == tuple(u for stage in cut for u in stage)
+    composed = table.figures([(0, 2), (2, 6)])
+    close = lambda a, b: abs(a - b) <= 0.01 * b  # noqa: E731
+    for r, c in zip(real.stages, composed):
+        assert c.flops == r.forward_flops and c.elements == r.param_elements and c.sent == r.sent_bytes
+        assert close(c.seconds, r.forward_s) and close(c.saved, r.saved_bytes) and close(c.held, r.held_after_input_bytes)
+    assert composed[1].held > composed[1].saved  # the kept gradients: zero bubble's held bytes are not the saved ones
+    (candidate,) = fs.analysis.tune_pipeline(step, state, batch, schedules=("zb_h1",), microbatches=(4,), cuts=[cut])
+    assert candidate.stages == cut and candidate.cut == "given"
+    assert close(candidate.step_s, real.makespan_s) and close(candidate.peak_bytes, max(real.peak_bytes))
+
+
+def test_tune_pipeline_cuts_a_heavy_head_off_and_predicts_it_faster():
+    loss_fn, params = _gpt(vocab=65536, layers=6, d=256)
+    mesh = fs.analysis.AbstractMesh({"pp": 3})
+    step = fs.sharded_step(loss_fn, mesh, optimizer=fs.optim.adamw(lr=1e-3), microbatches=3, pipeline="1f1b")
+    state = step.init_abstract(params)
+    ranked = fs.analysis.tune_pipeline(step, state, _batch(24, 32), schedules=("1f1b", "zb_h1"), microbatches=(3, 6))
+    blocks = (("input", "blocks.0", "blocks.1"), ("blocks.2", "blocks.3"), ("blocks.4", "blocks.5", "output"))
+    best = ranked[0]
+    assert best.fits and best.stages != blocks and len(best.stages[-1]) < 3  # fewer blocks beside the head
+    (same,) = [c for c in ranked if (c.schedule, c.microbatches, c.stages) == (best.schedule, best.microbatches, blocks)]
+    assert same.cut == "own" and best.step_s < 0.95 * same.step_s
+    assert "slowest stage" in same.why
+    # every contiguous cut of 8 units into 3 stages (21) was planned, once, per schedule and count
+    assert len(ranked) == 2 * 2 * 21 and len({(c.schedule, c.microbatches, c.stages) for c in ranked}) == len(ranked)
+
+
+def test_tune_pipeline_under_a_tight_budget_takes_a_lighter_cut():
+    # 1F1B at pp 2: stage 0 holds 2 micro-batches, stage 1 one; moving blocks to stage 1 lightens rank 0
+    loss_fn, params = _gpt(vocab=64, layers=6, d=64)
+    mesh = fs.analysis.AbstractMesh({"pp": 2})
+    step = fs.sharded_step(loss_fn, mesh, optimizer=fs.optim.adamw(lr=1e-3), microbatches=4, pipeline="1f1b")
+    state = step.init_abstract(params)
+    batch = _batch(16, 64)
+    tune = lambda budget: fs.analysis.tune_pipeline(step, state, batch, budget_bytes=budget, schedules=("1f1b",),  # noqa: E731
+                                                    microbatches=(4,))  # fmt: skip
+    free = tune(None)
+    fastest = free[0]
+    (memory,) = [c for c in free if c.cut == "memory"]
+    assert memory.peak_bytes == min(c.peak_bytes for c in free) < fastest.peak_bytes
+    assert len(memory.stages[0]) < len(memory.stages[1])
+    budget = (memory.peak_bytes + fastest.peak_bytes) // 2
+    ranked = tune(budget)
+    assert ranked[0].fits and ranked[0].stages != fastest.stages
+    over = [c for c in ranked if not c.fits]
+    assert over and over[0].step_s < ranked[0].step_s  # a faster cut ranked below: it does not fit
+    assert "fits at this schedule and micro-batches" in over[0].why

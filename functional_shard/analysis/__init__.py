@@ -34,13 +34,13 @@ from ._analyze import CollectiveCost as CollectiveCost
 from ._analyze import UnitCost as UnitCost
 from ._analyze import analyze as analyze
 from ._memory import MemoryBreakdown as MemoryBreakdown
-from ._pipeline import PipelineCandidate as PipelineCandidate
+from ._cuts import PipelineCandidate as PipelineCandidate
 from ._pipeline import balance_stages as balance_stages
 from ._pipeline import PipelinePlan as PipelinePlan
 from ._pipeline import StagePlan as StagePlan
 from ._pipeline import pipeline_chrome_trace as pipeline_chrome_trace
 from ._pipeline import plan_pipeline as plan_pipeline
-from ._pipeline import tune_pipeline as tune_pipeline
+from ._cuts import tune_pipeline as tune_pipeline
 from ._memory import MemoryEstimate as MemoryEstimate
 from ._timeline import Profile as Profile
 from ._timeline import TraceEvent as TraceEvent

@@ -1,9 +1,7 @@
-"""Pipelined steps before they run: costs per stage, bubble, memory per rank, point-to-point bytes,
-and the choice of schedule and micro-batches under a memory budget.
+"""Pipelined steps before they run: costs per stage, bubble, memory per rank, point-to-point bytes.
 
-    plan = fs.analysis.plan_pipeline(step, state, batch)           # this step, as it is configured
+    plan = fs.analysis.plan_pipeline(step, state, batch)   # this step, as it is configured
     print(plan.explain())
-    ranked = fs.analysis.tune_pipeline(plan, budget_bytes=2 << 30)  # schedules x micro-batch counts
 
 Everything is read from the step's stage programs (`PipelineStep`): per stage the forward's FLOPs
 and its time on a `Machine` (`fs.analysis`'s node costs; a backward costs twice its forward, an
@@ -11,7 +9,9 @@ input-gradient and a weight-gradient half once each), the bytes one micro-batch'
 for its backward (on fake tensors), the bytes crossing each boundary; then the schedule's makespan
 and bubble per rank (`fs.pipeline.analyze` at those costs, transfers on the machine's link), the
 peak in-flight activations per stage (`fs.pipeline.peak_in_flight`) and the bytes each rank
-holds. No collective: each rank can plan alone.
+holds. No collective: each rank can plan alone. `balance_stages` cuts the units by predicted
+time; `tune_pipeline` (`_cuts`) searches schedules, micro-batch counts and stage cuts with `_plan`
+and `min_max_cut`.
 """
 
 from __future__ import annotations
@@ -22,9 +22,8 @@ from ..pipeline import Costs, analyze, build_schedule, Pipeline, peak_bytes, pea
 from ..pipeline._peaks import stage_peak_bytes
 from ._costs import node_cost
 from ._machine import Machine, h100_sxm
-from ._ranking import rank_with_reasons
 
-__all__ = ["StagePlan", "PipelinePlan", "PipelineCandidate", "plan_pipeline", "tune_pipeline", "pipeline_chrome_trace", "balance_stages"]
+__all__ = ["StagePlan", "PipelinePlan", "plan_pipeline", "pipeline_chrome_trace", "balance_stages", "min_max_cut"]
 
 
 class StagePlan(NamedTuple):
@@ -38,18 +37,6 @@ class StagePlan(NamedTuple):
     held_after_input_bytes: int  # bytes a micro-batch holds from its I to its W (zero bubble; else unused)
     sent_bytes: int  # bytes it sends to the next stage (activations; cotangents come back as many or fewer)
     param_elements: int  # parameter elements of its units (whole, before fsdp)
-
-
-class PipelineCandidate(NamedTuple):
-    """One (schedule, micro-batches) alternative of `tune_pipeline`."""
-
-    schedule: str
-    microbatches: int
-    step_s: float  # predicted makespan of the pipelined part of the step
-    bubble: float  # the largest idle fraction over ranks
-    peak_bytes: int  # the largest predicted bytes over ranks
-    fits: bool  # peak_bytes <= the budget
-    why: str  # why it ranks where it does
 
 
 class PipelinePlan(NamedTuple):
@@ -95,16 +82,22 @@ class PipelinePlan(NamedTuple):
         return "\n".join(lines)
 
 
+def _node_seconds(node, machine: Machine) -> tuple[int, float]:
+    """One node's FLOPs and time on `machine` (a stage's are the sums over its program's nodes)."""
+    cost = node_cost(node)
+    if node.op != "call_function":
+        return cost.flops, 0.0
+    return cost.flops, machine.compute_seconds(
+        cost.flops, cost.bytes, view=cost.kind == "view", kind=cost.kind, numel=cost.numel, dtype=cost.dtype,
+        attention=cost.attention, causal=cost.causal,
+    )  # fmt: skip
+
+
 def _stage_seconds(module, machine: Machine) -> tuple[int, float]:
     flops, seconds = 0, 0.0
     for node in module.graph.nodes:
-        cost = node_cost(node)
-        flops += cost.flops
-        if node.op == "call_function":
-            seconds += machine.compute_seconds(
-                cost.flops, cost.bytes, view=cost.kind == "view", kind=cost.kind, numel=cost.numel, dtype=cost.dtype,
-                attention=cost.attention, causal=cost.causal,
-            )  # fmt: skip
+        f, t = _node_seconds(node, machine)
+        flops, seconds = flops + f, seconds + t
     return flops, seconds
 
 
@@ -210,48 +203,6 @@ def _nbytes(b) -> int:
     return n
 
 
-def tune_pipeline(step: Any, state: Any, batch: Any, *, budget_bytes: int | None = None, machine: Machine | None = None,
-                  schedules: tuple = ("gpipe", "1f1b", "zb_h1"), microbatches: tuple | None = None) -> list[PipelineCandidate]:  # fmt: skip
-    """Every (schedule, micro-batch count) that keeps the step's stages, ranked: those that fit
-    `budget_bytes` (per rank) first, fastest predicted makespan first; each with why it ranks there.
-
-    Arguments:
-        step / state / batch: a `PipelineStep`, its state and one batch of this rank.
-        budget_bytes: the memory a rank may use (None: no limit).
-        machine: as for `plan_pipeline`.
-        schedules: built-in names with the step's stages per rank.
-        microbatches: counts to try (default: every divisor of the batch's rows from the pipeline
-            ranks up, and the step's own).
-    """
-    machine = machine if machine is not None else h100_sxm()
-    figures = _stage_figures(step, state, batch, machine)  # the same for every candidate: read once
-    rows = step.batch_rows(batch)
-    counts = microbatches or tuple(sorted({k for k in range(1, rows + 1) if rows % k == 0 and k >= step.num_ranks} | {step.microbatches}))
-    plans = []
-    for name in schedules:
-        for m in counts:
-            if rows % m:
-                continue
-            try:
-                plans.append(_plan(step, state, figures, machine, name, m))
-            except Exception as error:  # noqa: BLE001 - a schedule that does not exist at these sizes
-                plans.append((name, m, str(error)))
-    out = []
-    for p in plans:
-        if not isinstance(p, PipelinePlan):
-            out.append(PipelineCandidate(p[0], p[1], float("inf"), 1.0, 0, False, f"not buildable: {p[2][:120]}"))
-            continue
-        peak = max(p.peak_bytes)
-        fits = budget_bytes is None or peak <= budget_bytes
-        out.append(PipelineCandidate(p.schedule, p.num_microbatches, p.makespan_s, max(p.bubble), peak, fits, ""))
-    return rank_with_reasons(
-        out, peak=lambda c: c.peak_bytes,
-        over=lambda c: f"needs {c.peak_bytes / 2**20:.1f} MiB per rank, over the budget of {budget_bytes / 2**20:.1f} MiB",
-        best=lambda c: f"fastest that fits: bubble {c.bubble:.3f}, peak {c.peak_bytes / 2**20:.1f} MiB",
-        slower=lambda c, best: f"{c.step_s / best.step_s:.2f}x the best's time (bubble {c.bubble:.3f} vs {best.bubble:.3f})",
-    )  # fmt: skip
-
-
 def pipeline_chrome_trace(profiles) -> dict:
     """A Chrome trace (chrome://tracing, Perfetto) of one profiled pipelined step: a track per
     pipeline rank, an event per action (`PipelineStep.profile` on every rank, gathered by the
@@ -303,26 +254,33 @@ def balance_stages(loss_fn: Any, params: Any, micro_batch: Any, num_stages: int,
     seconds = [0.0] * len(order)
     for node, p in unit_of_nodes(gm, len(leaves), position).items():
         if p >= 0:
-            c = node_cost(node)
-            seconds[p] += machine.compute_seconds(c.flops, c.bytes, view=c.kind == "view", kind=c.kind, numel=c.numel,
-                                                  dtype=c.dtype, attention=c.attention, causal=c.causal)  # fmt: skip
-    # best[k][i]: the smallest possible slowest stage cutting units[:i] into k stages; cut[k][i] where the last begins
-    n = len(order)
+            seconds[p] += _node_seconds(node, machine)[1]
     prefix = [0.0]
     for x in seconds:
         prefix.append(prefix[-1] + x)
+    bounds = min_max_cut(len(order), num_stages, lambda stage, i, j: prefix[j] - prefix[i])
+    return tuple(tuple(order[a:b]) for a, b in bounds)
+
+
+def min_max_cut(n: int, num_stages: int, cost) -> list[tuple[int, int]]:
+    """The cut of `n` items in order into `num_stages` contiguous non-empty runs whose largest
+    `cost(stage, start, end)` (items[start:end] as stage `stage`) is the smallest: dynamic
+    programming over the contiguous cuts, `[(start, end), ...]` per stage."""
+    # best[k][i]: the smallest possible largest cost cutting items[:i] into k stages; cut[k][i] where the last begins
     inf = float("inf")
     best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
     cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
     best[0][0] = 0.0
     for k in range(1, num_stages + 1):
-        for i in range(k, n + 1):
+        for i in range(k, n - (num_stages - k) + 1):
             for j in range(k - 1, i):
-                value = max(best[k - 1][j], prefix[i] - prefix[j])
+                if best[k - 1][j] == inf:
+                    continue
+                value = max(best[k - 1][j], cost(k - 1, j, i))
                 if value < best[k][i]:
                     best[k][i], cut[k][i] = value, j
     bounds, i = [], n
     for k in range(num_stages, 0, -1):
         bounds.append((cut[k][i], i))
         i = cut[k][i]
-    return tuple(tuple(order[a:b]) for a, b in reversed(bounds))
+    return bounds[::-1]
