@@ -214,3 +214,26 @@ def test_tune_pipeline_under_a_tight_budget_takes_a_lighter_cut():
     over = [c for c in ranked if not c.fits]
     assert over and over[0].step_s < ranked[0].step_s  # a faster cut ranked below: it does not fit
     assert "fits at this schedule and micro-batches" in over[0].why
+
+
+def test_a_tied_gpt_plans_with_its_weight_relayed_and_its_cut_composes():
+    # the head's matmul reads the tied weight's transpose, made on stage 0 and received: a stage input
+    from functional_shard.analysis._cuts import unit_table
+
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=64, block_size=32, n_layer=4, n_head=2, d_model=32, tie_weights=True))
+    apply_fn, params = fs.functionalize(model)
+
+    def loss_fn(p, batch):
+        x, y = batch
+        return F.cross_entropy(apply_fn(p, x).flatten(0, 1), y.flatten())
+
+    step = fs.sharded_step(loss_fn, fs.analysis.AbstractMesh({"pp": 2}), optimizer=fs.optim.adamw(lr=1e-3), microbatches=4,
+                           pipeline="1f1b")  # fmt: skip
+    state = step.init_abstract(params)
+    plan = fs.analysis.plan_pipeline(step, state, _batch())
+    assert plan.stages[0].sent_bytes == 2 * 32 * 32 * 4 + 64 * 32 * 4  # the residual stream and the tied weight
+    composed = unit_table(step, state, _batch(), fs.analysis.h100_sxm()).figures([(0, 3), (3, 6)])
+    for r, c in zip(plan.stages, composed):
+        assert (c.flops, c.sent, c.elements) == (r.forward_flops, r.sent_bytes, r.param_elements)
+        assert abs(c.saved - r.saved_bytes) <= 0.01 * r.saved_bytes and abs(c.seconds - r.forward_s) <= 0.01 * r.forward_s

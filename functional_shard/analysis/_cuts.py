@@ -311,12 +311,12 @@ def tune_pipeline(step: Any, state: Any, batch: Any, *, budget_bytes: int | None
                 c = PipelineCandidate(plan.schedule, m, plan.makespan_s, max(plan.bubble), peak, fits, "", stages, label)
                 plans[c.schedule, m, stages] = plan
                 out.append(c)
-    lightest: dict = {}  # (schedule, micro-batches) -> the lightest candidate that fits
+    fitting: dict = {}  # (schedule, micro-batches) -> the fastest candidate that fits
     for c in out:
         key = c.schedule, c.microbatches
-        if c.fits and (key not in lightest or c.peak_bytes < lightest[key].peak_bytes):
-            lightest[key] = c
-    return rank_with_reasons(out, peak=lambda c: c.peak_bytes, over=lambda c: _over(c, lightest, budget_bytes),
+        if c.fits and (key not in fitting or c.step_s < fitting[key].step_s):
+            fitting[key] = c
+    return rank_with_reasons(out, peak=lambda c: c.peak_bytes, over=lambda c: _over(c, fitting, budget_bytes),
                              best=lambda c: f"fastest that fits: bubble {c.bubble:.3f}, peak {c.peak_bytes / 2**20:.1f} MiB, {_label(c)}",
                              slower=lambda c, best: _slower(c, best, plans))  # fmt: skip
 
@@ -373,9 +373,9 @@ def _memory_cut(step: Any, state: Any, table: UnitTable, compute, m: int) -> tup
     return tuple(min_max_cut(len(table.units), compute.num_stages, cost))
 
 
-def _over(c: PipelineCandidate, lightest: dict, budget: int | None) -> str:
+def _over(c: PipelineCandidate, fitting: dict, budget: int | None) -> str:
     why = f"needs {c.peak_bytes / 2**20:.1f} MiB per rank, over the budget of {(budget or 0) / 2**20:.1f} MiB"
-    other = lightest.get((c.schedule, c.microbatches))
+    other = fitting.get((c.schedule, c.microbatches))
     if other is not None:  # its cut is what puts it over
         why += f"; the {_label(other)} fits at this schedule and micro-batches ({other.peak_bytes / 2**20:.1f} MiB)"
     return why
