@@ -14,7 +14,8 @@ its parameter elements. A stage of any run of units is composed from them:
   reads them recomputes them, once), the batch and buffer leaves; reading what the stage
   receives counts for its first unit only;
 - saved and held bytes: every storage once (a value one unit makes and another saves is the
-  same storage in one stage), plus the kept gradients;
+  same storage in one stage), plus the kept gradients, plus what two neighbours keep alive after
+  I only when in one stage (measured once, on two cuts into pairs of units);
 - sent: the boundary after its last unit (the values made at or before it and read after it,
   whatever the grouping); parameter elements: the sum.
 
@@ -115,9 +116,6 @@ class UnitTable:
 
     def figures(self, bounds: Sequence[tuple[int, int]]) -> list[_StageFigures]:
         return [self.stage(a, b) for a, b in bounds]
-
-    def names(self, bounds: Sequence[tuple[int, int]]) -> tuple[tuple[str, ...], ...]:
-        return tuple(self.units[a:b] for a, b in bounds)
 
 
 class _Keyed(fx.Interpreter):
