@@ -265,12 +265,12 @@ def tune_pipeline(step: Any, state: Any, batch: Any, *, budget_bytes: int | None
     units = step._units
     of = {u: s for u, s in zip(step._unit_of_leaf, step._stage_of_leaf) if u is not None}
     own = _bounds([[u for u in range(len(units)) if of[u] == s] for s in range(step.num_stages)])
-    table = None
+    table, unsearched = None, ""
     if cuts is not False:
         try:
             table = unit_table(step, state, batch, machine)
-        except StepError:  # a value that is not a tensor crosses a unit boundary: the step's own cut only
-            table = None
+        except StepError as error:  # a value that is not a tensor crosses a unit boundary: the step's own cut only
+            table, unsearched = None, f"; other stage cuts not searched: {str(error)[:200]}"
     own_figures = _stage_figures(step, state, batch, machine) if table is None else None
     out, plans = [], {}
     for entry in schedules:
@@ -314,9 +314,10 @@ def tune_pipeline(step: Any, state: Any, batch: Any, *, budget_bytes: int | None
         key = c.schedule, c.microbatches
         if c.fits and (key not in fitting or c.step_s < fitting[key].step_s):
             fitting[key] = c
-    return rank_with_reasons(out, peak=lambda c: c.peak_bytes, over=lambda c: _over(c, fitting, budget_bytes),
-                             best=lambda c: f"fastest that fits: bubble {c.bubble:.3f}, peak {c.peak_bytes / 2**20:.1f} MiB, {_label(c)}",
-                             slower=lambda c, best: _slower(c, best, plans))  # fmt: skip
+    ranked = rank_with_reasons(out, peak=lambda c: c.peak_bytes, over=lambda c: _over(c, fitting, budget_bytes),
+                               best=lambda c: f"fastest that fits: bubble {c.bubble:.3f}, peak {c.peak_bytes / 2**20:.1f} MiB, {_label(c)}",
+                               slower=lambda c, best: _slower(c, best, plans))  # fmt: skip
+    return [c._replace(why=c.why + unsearched) for c in ranked] if unsearched else ranked
 
 
 def _bounds(groups: Sequence[Sequence[int]]) -> tuple[tuple[int, int], ...]:
