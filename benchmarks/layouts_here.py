@@ -1,13 +1,14 @@
 """The layout planner against this machine: every layout of 4 ranks, predicted and measured.
 
-    python benchmarks/layouts_here.py [--models gpt,llama] [--steps 5] [--json out.json]
+    python benchmarks/layouts_here.py [--models gpt,llama] [--steps 9] [--json out.json]
 
 For `fs.models.GPT` and a Hugging Face Llama (from a `LlamaConfig`), 8 blocks, a global batch of
 8 x 64 tokens, fp32, AdamW: `fs.analysis.plan_layouts` predicts every layout of world size 4
 (`fsdp 4`, `replicate 2 x fsdp 2`, `fsdp 2 x tp 2`, `tp 4`, `pp 2 x fsdp 2`, `pp 2 x tp 2`,
 `pp 4`; pipelines 1F1B with as many micro-batches as stages) on this machine as
 `fs.analysis.calibrate` measures it; then each layout runs on 4 gloo processes (`LocalWorld`):
-median step time over `--steps` timed steps (the slowest rank's, after 2 warm-up steps), and
+median step time over `--steps` timed steps (the slowest rank's, after 2 warm-up steps; the
+layouts interleaved: each round runs one step of every layout, in a rotating order), and
 the most bytes of tensor storages alive at once during one step on each rank (the state and the
 batch included; `LiveBytes`, what MemTracker counts — shown beside it where MemTracker runs: it
 refuses a pipeline stage called once per micro-batch), largest over ranks. Printed: predicted against measured per layout, whether the predicted ranking agrees with
@@ -90,44 +91,54 @@ def calibrated(_) -> fs.analysis.Machine:
     return fs.analysis.calibrate(fs.init_mesh({"fsdp": 4}))
 
 
-def measure(_, model: str, axes: dict, steps: int) -> dict:
-    """On every rank: this layout's median step time (slowest rank) and MemTracker peak (largest rank)."""
+def measure(_, model: str, layouts: list, steps: int) -> list:
+    """On every rank: each layout's median step time (slowest rank) and peak bytes (largest rank),
+    the layouts measured interleaved: every round runs one step of each, in an order that rotates,
+    so that the machine's drift (other work, clocks) falls on all of them alike."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     torch.set_num_threads(1)
-    mesh = fs.init_mesh(axes)
-    loss_fn, params, rules = build(model, LAYERS, mesh, meta=False)
-    pp = axes.get("pp", 1)
-    options = dict(microbatches=pp, pipeline=fs.pipeline.Pipeline("1f1b")) if pp > 1 else {}
-    step = fs.sharded_step(loss_fn, mesh, optimizer=OPTIMIZER, placements=rules, **options)
-    state = step.init(params)
-    data = axes.get("replicate", 1) * axes.get("fsdp", 1)
-    per = GLOBAL // data
-    g = torch.Generator().manual_seed(7)
-    ids = torch.randint(0, VOCAB, (GLOBAL, LENGTH), generator=g)
-    batch = tuple(t[mesh.data_rank * per : (mesh.data_rank + 1) * per] for t in (ids, torch.roll(ids, -1, 1)))
-    for _ in range(2):
-        state, _m = step(state, batch)
-    times = []
-    for _ in range(steps):
-        mesh.all_reduce_flat(torch.zeros(1))
-        start = time.perf_counter()
-        state, _m = step(state, batch)
-        times.append(_max(mesh, time.perf_counter() - start))
-    external = [t for t in fs.tree_leaves(state) if isinstance(t, torch.Tensor)] + list(batch)
-    mesh.all_reduce_flat(torch.zeros(1))
-    with LiveBytes(external) as tracker:
-        state, _m = step(state, batch)
-    out = {"step_s": statistics.median(times), "peak_bytes": _max(mesh, tracker.peak)}
-    if pp == 1:  # the same step under torch's MemTracker (it cannot follow a module called per micro-batch)
-        memtracker = MemTracker()
-        memtracker.track_external(*external)
-        mesh.all_reduce_flat(torch.zeros(1))
-        with memtracker:
+    runs = []
+    for axes in layouts:
+        mesh = fs.init_mesh(axes)
+        loss_fn, params, rules = build(model, LAYERS, mesh, meta=False)
+        pp = axes.get("pp", 1)
+        options = dict(microbatches=pp, pipeline=fs.pipeline.Pipeline("1f1b")) if pp > 1 else {}
+        step = fs.sharded_step(loss_fn, mesh, optimizer=OPTIMIZER, placements=rules, **options)
+        data = axes.get("replicate", 1) * axes.get("fsdp", 1)
+        per = GLOBAL // data
+        g = torch.Generator().manual_seed(7)
+        ids = torch.randint(0, VOCAB, (GLOBAL, LENGTH), generator=g)
+        batch = tuple(t[mesh.data_rank * per : (mesh.data_rank + 1) * per] for t in (ids, torch.roll(ids, -1, 1)))
+        state = step.init(params)
+        for _ in range(2):
             state, _m = step(state, batch)
-        total = sum(int(next((v for k, v in c.items() if str(getattr(k, "value", k)) == "Total"), 0))
-                    for d, c in memtracker.get_tracker_snapshot("peak").items() if torch.device(d).type == "cpu")  # fmt: skip
-        out["memtracker_bytes"] = _max(mesh, total)
+        runs.append(dict(mesh=mesh, step=step, state=state, batch=batch, pp=pp, times=[]))
+    for r in range(steps):
+        for i in range(len(runs)):
+            run = runs[(i + r) % len(runs)]
+            run["mesh"].all_reduce_flat(torch.zeros(1))
+            start = time.perf_counter()
+            run["state"], _m = run["step"](run["state"], run["batch"])
+            run["times"].append(_max(run["mesh"], time.perf_counter() - start))
+    out = []
+    for run in runs:
+        mesh, step, state, batch = run["mesh"], run["step"], run["state"], run["batch"]
+        external = [t for t in fs.tree_leaves(state) if isinstance(t, torch.Tensor)] + list(batch)
+        mesh.all_reduce_flat(torch.zeros(1))
+        with LiveBytes(external) as tracker:
+            state, _m = step(state, batch)
+        figures = {"step_s": statistics.median(run["times"]), "peak_bytes": _max(mesh, tracker.peak)}
+        if run["pp"] == 1:  # the same step under torch's MemTracker (it cannot follow a module called per micro-batch)
+            memtracker = MemTracker()
+            memtracker.track_external(*external)
+            mesh.all_reduce_flat(torch.zeros(1))
+            with memtracker:
+                state, _m = step(state, batch)
+            total = sum(int(next((v for k, v in c.items() if str(getattr(k, "value", k)) == "Total"), 0))
+                        for d, c in memtracker.get_tracker_snapshot("peak").items() if torch.device(d).type == "cpu")  # fmt: skip
+            figures["memtracker_bytes"] = _max(mesh, total)
+        out.append(figures)
     return out
 
 
@@ -181,11 +192,11 @@ def run(model: str, world, machine, steps: int) -> dict:
     )  # fmt: skip
     planned_s = time.perf_counter() - start
     rows = []
-    for axes in LAYOUTS:
+    measured = world.run(measure, model, list(LAYOUTS), steps)[0]
+    for axes, m in zip(LAYOUTS, measured):
         order = ("pp", "replicate", "fsdp", "tp")
         want = {k: axes[k] for k in order if axes.get(k, 1) > 1}
         (c,) = [c for c in plan.candidates if c.axes == want]
-        m = world.run(measure, model, axes, steps)[0]
         rows.append(dict(layout=label(want), predicted_s=c.step_s, measured_s=m["step_s"], predicted_bytes=c.peak_bytes,
                          measured_bytes=m["peak_bytes"], memtracker_bytes=m.get("memtracker_bytes"), why=c.why))  # fmt: skip
         print(f"  {label(want):<24} predicted {c.step_s * 1e3:8.1f} ms {c.peak_bytes / 2**20:7.2f} MiB | measured "
@@ -208,7 +219,7 @@ def run(model: str, world, machine, steps: int) -> dict:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="gpt,llama")
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=9)
     parser.add_argument("--json", default="")
     args = parser.parse_args(argv)
     with fs.testing.LocalWorld(4, collective_timeout=120.0, call_timeout=900.0) as world:

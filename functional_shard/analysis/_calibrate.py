@@ -211,7 +211,7 @@ def calibrate(mesh, *, path: str | None = None, name: str | None = None, quick: 
     operations = {
         "all_gather": lambda full: mesh.all_gather_flat(torch.empty(full // 4 // p, device=device)),
         "reduce_scatter": lambda full: mesh.reduce_scatter_flat(torch.ones(full // 4 // p * p, device=device)),
-        "all_reduce": lambda full: mesh.all_reduce_flat(torch.ones(full // 4, device=device)),
+        "all_reduce": lambda full: mesh.all_reduce_flat(torch.ones(full // 4, device=device), (mesh.shard_axis,)),
     }
     for kind, run in operations.items():
         points = []
