@@ -1,7 +1,7 @@
 """Predict torchtitan's published FSDP runs (docs/planning.md): plan each on an abstract mesh,
 simulate it on the cluster machine model, print published against predicted.
 
-    python benchmarks/planning.py [--rows 8b-h100-8,8b-h100-128] [--fit]
+    python benchmarks/planning.py [--rows 8b-h100-8,8b-h100-128] [--fit] [--fit-peak TFLOPS]
 
 Each row builds its Llama from a Hugging Face `LlamaConfig` on the meta device (nothing is
 allocated), with attention as the fused flash kernel torchtitan runs
@@ -10,11 +10,15 @@ queries, as torchtitan's `repeat_kv`), plans one step with `fs.analysis.plan` on
 `AbstractMesh({"fsdp": N})` (bf16 parameters and compute, fp32 gradient reduction, AdamW,
 the row's activation checkpointing), and simulates it with `fs.analysis.cluster_machine`.
 `--fit` refits the one fitted constant (matmul efficiency) on the Table 1 "FSDP" row and prints it.
+`--fit-peak T`: what if the fit platform's bf16 dense peak were T TFLOP/s (torchtitan: its 500 W
+H100s peak "between SXM and NVL", 835-989, value unknown)? Refits the matmul efficiency on the fit
+row at that peak, then predicts every row with it (the sensitivity of the A100 rows, docs/planning.md).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 from typing import NamedTuple
 
@@ -119,9 +123,10 @@ def plan_row(row: Row):
     return analysis, compiled, time.perf_counter() - start
 
 
-def machine_of(row: Row, efficiency=None):
-    """The row's cluster: Grand Teton H100s (400 Gb/s per GPU) or A100 80GB (200 Gb/s per GPU)."""
-    gpu, gbps = (fs.analysis.H100_SXM_HBM2E, 400.0) if row.gpu == "h100" else (fs.analysis.A100_SXM_80GB, 200.0)
+def machine_of(row: Row, efficiency=None, h100=None):
+    """The row's cluster: Grand Teton H100s (400 Gb/s per GPU; `h100` in place of
+    `H100_SXM_HBM2E`) or A100 80GB (200 Gb/s per GPU)."""
+    gpu, gbps = (h100 or fs.analysis.H100_SXM_HBM2E, 400.0) if row.gpu == "h100" else (fs.analysis.A100_SXM_80GB, 200.0)
     return fs.analysis.cluster_machine(gpu, world_size=row.world, network_gbps=gbps, efficiency=efficiency or fs.analysis.FITTED)
 
 
@@ -136,10 +141,10 @@ class Prediction(NamedTuple):
     exposed_s: float  # communication not hidden behind computation
 
 
-def predict(row: Row, analysis, compiled, efficiency=None) -> Prediction:
-    machine = machine_of(row, efficiency)
+def predict(row: Row, analysis, compiled, efficiency=None, h100=None) -> Prediction:
+    machine = machine_of(row, efficiency, h100)
     sim = fs.analysis.simulate(compiled, machine)
-    peak = (fs.analysis.H100_SXM_HBM2E if row.gpu == "h100" else fs.analysis.A100_SXM_80GB).dense_flops["bfloat16"]
+    peak = (h100 or fs.analysis.H100_SXM_HBM2E if row.gpu == "h100" else fs.analysis.A100_SXM_80GB).dense_flops["bfloat16"]
     return Prediction(
         tps=row.batch * row.sequence / sim.step_s,
         mfu=analysis.flops / sim.step_s / peak,
@@ -150,13 +155,13 @@ def predict(row: Row, analysis, compiled, efficiency=None) -> Prediction:
     )
 
 
-def fit(row: Row, analysis, compiled):
+def fit(row: Row, analysis, compiled, h100=None):
     """The matmul efficiency that predicts the row's TPS (bisection), and the allocator overhead
     that predicts its reserved memory."""
     low, high = 0.05, 1.0
     for _ in range(20):
         middle = (low + high) / 2
-        tps = predict(row, analysis, compiled, fs.analysis.Efficiency(matmul=middle)).tps
+        tps = predict(row, analysis, compiled, fs.analysis.Efficiency(matmul=middle), h100).tps
         low, high = (middle, high) if tps < row.tps else (low, middle)
     allocator = row.memory_gib * 2**30 / analysis.memory.peak - 1
     return (low + high) / 2, allocator
@@ -166,7 +171,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default=",".join(r.name for r in ROWS))
     parser.add_argument("--fit", action="store_true")
+    parser.add_argument("--fit-peak", type=float, default=0.0, help="the fit platform's bf16 dense TFLOP/s (what-if)")
     args = parser.parse_args()
+    h100, efficiency = None, None
+    if args.fit_peak:
+        base = fs.analysis.H100_SXM_HBM2E
+        scale = args.fit_peak * 1e12 / base.dense_flops["bfloat16"]
+        h100 = dataclasses.replace(base, dense_flops={k: v * scale for k, v in base.dense_flops.items()})
+        (point,) = [r for r in ROWS if r.memory_gib and r.gpu == "h100" and r.world == 8]
+        analysis, compiled, _ = plan_row(point)
+        matmul, allocator = fit(point, analysis, compiled, h100)
+        efficiency = fs.analysis.Efficiency(matmul=matmul, allocator=allocator)
+        print(f"fit platform at {args.fit_peak:.0f} TFLOP/s: matmul efficiency {matmul:.4f} (FITTED: {fs.analysis.FITTED.matmul})")
     print(f"{'row':<22}{'published TPS':>14}{'predicted':>10}{'error':>8}{'MFU':>7}{'published GiB':>14}{'predicted':>10}"
           f"{'error':>8}{'alloc GiB':>10}{'planned s':>10}")
     for row in ROWS:
@@ -175,7 +191,7 @@ def main() -> None:
         analysis, compiled, seconds = plan_row(row)
         if args.fit and row.memory_gib:
             print(f"fit on {row.name}: matmul efficiency {{:.4f}}, allocator overhead {{:.4f}}".format(*fit(row, analysis, compiled)))
-        p = predict(row, analysis, compiled)
+        p = predict(row, analysis, compiled, efficiency, h100)
         memory = f"{row.memory_gib:>14.1f}{p.reserved_gib:>10.1f}{100 * (p.reserved_gib / row.memory_gib - 1):>+7.1f}%" if row.memory_gib else f"{'-':>14}{p.reserved_gib:>10.1f}{'':>8}"
         print(f"{row.name:<22}{row.tps:>14,.0f}{p.tps:>10,.0f}{100 * (p.tps / row.tps - 1):>+7.1f}%{100 * p.mfu:>6.1f}%"
               f"{memory}{p.allocated_gib:>10.1f}{seconds:>10.1f}", flush=True)
