@@ -1,6 +1,6 @@
 # Two commands do all the set-up on a machine with only Python 3 (>= 3.10):
 #   make example    # .venv, torch (CPU, pinned), the package + extras; then train the small GPT
-#   make test       # the same set-up; then python -m pytest -q (the docs build is one of the tests)
+#   make test       # the same set-up; then python -m pytest -q -n auto ... (the docs build is one of the tests)
 # Each target is `python3 tools/bootstrap.py <target>`: use that where make is missing.
 # Extra arguments for the command: make example ARGS="--steps 100".
 

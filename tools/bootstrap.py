@@ -2,7 +2,7 @@
 """Set up a virtual environment and run the example, the tests or the docs build: one command each.
 
     python3 tools/bootstrap.py example     # set up, then train the small GPT on 2 local CPU processes
-    python3 tools/bootstrap.py test        # set up, then python -m pytest -q (the docs build is a test)
+    python3 tools/bootstrap.py test        # set up, then python -m pytest -q -n auto ... (the docs build is a test)
     python3 tools/bootstrap.py hf-example  # set up, then train the small Hugging Face Llama
     python3 tools/bootstrap.py docs        # set up, then mkdocs build --strict into site/
     python3 tools/bootstrap.py setup       # only the set-up
@@ -44,7 +44,9 @@ COMMANDS = {
     "setup": [],
     "example": [str(PYTHON), "examples/train_gpt.py"],
     "hf-example": [str(PYTHON), "examples/train_hf_llama.py"],
-    "test": [str(PYTHON), "-m", "pytest", "-q"],
+    # Test files spread over up to 4 worker processes (pytest-xdist), one per core: most of a test's
+    # time is one single-threaded Python process (tracing, planning) or ranks waiting on each other.
+    "test": [str(PYTHON), "-m", "pytest", "-q", "-n", "auto", "--maxprocesses", "4", "--dist", "loadfile"],
     "docs": [str(PYTHON), "-m", "mkdocs", "build", "--strict", "--site-dir", "site"],
 }
 
