@@ -316,8 +316,7 @@ def _cache_share(mesh, device) -> int:
     ranks on its host (counted by host name across the mesh), a GPU's is its own. The same on
     every rank: the smallest cache over the busiest host."""
     gpu = torch.device(device).type == "cuda"
-    host = zlib.crc32(socket.gethostname().encode())  # below 2**32: exact as a float64
-    rows = _everyone(mesh, [float(_last_level_cache(device)), float(host)])
+    rows = _everyone(mesh, [float(_last_level_cache(device)), _host_id()])
     hosts = [row[1] for row in rows]
     sharing = 1 if gpu else max(hosts.count(h) for h in hosts)
     return int(min(row[0] for row in rows) // sharing)
@@ -367,14 +366,18 @@ def _everyone(mesh, values: list[float]) -> list[list[float]]:
     return mesh.all_gather_world(mine.to(getattr(mesh, "device", "cpu"))).view(mesh.world_size, -1).cpu().tolist()
 
 
+def _host_id() -> float:
+    """This process's host, as a number every rank can compare (below 2**32: exact as a float64)."""
+    return float(zlib.crc32(socket.gethostname().encode()))
+
+
 def _shared_compute(mesh) -> float:
-    """CPU threads of this host's ranks per core this process may use (>= 1): how many ranks share
-    a core while every rank computes."""
-    host = zlib.crc32(socket.gethostname().encode())
-    rows = _everyone(mesh, [float(host), float(torch.get_num_threads())])
-    threads = sum(row[1] for row in rows if row[0] == float(host))
+    """CPU threads of a host's ranks per core a rank may use (>= 1): how many ranks share a core
+    while every rank computes. The same on every rank: the busiest host's (as `_cache_share`)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1.0, threads / cores)
+    rows = _everyone(mesh, [_host_id(), float(torch.get_num_threads()), float(cores)])
+    hosts = {row[0] for row in rows}
+    return max(1.0, max(sum(r[1] for r in rows if r[0] == h) / min(r[2] for r in rows if r[0] == h) for h in hosts))
 
 
 def _slowest(mesh, value: float) -> float:
