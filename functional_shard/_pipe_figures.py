@@ -52,10 +52,12 @@ class StageFigures:
                     out[p.index] = measure(p, run, params, received)
         return out
 
-    def stage_param_elements(self) -> dict:
-        """Stage -> parameter elements of its units (whole leaves, this rank's tp pieces)."""
-        out = {s: 0 for s in range(self.num_stages)}
-        for meta, stage in zip(self._meta, self._stage_of_leaf):
+    def stage_param_elements(self, stage_of_leaf: list | None = None) -> dict:
+        """Stage -> parameter elements of its units (whole leaves, this rank's tp pieces), under the
+        step's own cut or `stage_of_leaf` (per leaf its stage, None for a buffer)."""
+        stage_of_leaf = self._stage_of_leaf if stage_of_leaf is None else stage_of_leaf
+        out = {s: 0 for s in {s for s in stage_of_leaf if s is not None} | set(range(self.num_stages))}
+        for meta, stage in zip(self._meta, stage_of_leaf):
             if stage is not None:
                 out[stage] += meta.numel()
         return out

@@ -195,10 +195,7 @@ def _measure(step: Any, cut, stage_of_leaf: list, batch: Any, machine: Machine, 
     """One `_Unit` per stage of `cut` (fake tensors: one forward and I per stage); what a stage
     reads once goes to `shared`, name -> (FLOPs, seconds)."""
     last, num_params = len(cut.stages) - 1, len(stage_of_leaf)
-    elements = [0] * len(cut.stages)
-    for meta, s in zip(step._meta, stage_of_leaf):
-        if s is not None:
-            elements[s] += meta.numel()
+    elements = step.stage_param_elements(stage_of_leaf)
 
     def measure(p, run, params, received):
         keys: dict = {}
@@ -237,7 +234,7 @@ def _measure(step: Any, cut, stage_of_leaf: list, batch: Any, machine: Machine, 
                 alive[name] = nbytes
         sent = sum(_nbytes(b) for b in p.sent) if p.index < last else 0
         rows.append(_Unit(flops, seconds, tuple(entry), frozenset(reads), saved, alive, held - sum(alive.values()), sent,
-                          elements[p.index], any(b.differentiable for b in p.received)))  # fmt: skip
+                          elements.get(p.index, 0), any(b.differentiable for b in p.received)))  # fmt: skip
     return rows
 
 
