@@ -19,7 +19,9 @@ of every arm in turn, `--rounds` rounds; the median step of each arm):
 - `fs-compile`, `fs-fused-compile`: those with `fs.Schedule(compile=True)`;
 - `fs-offload`, `fs-offload-remat`, `fs-remat`: `fused=True` with every unit's shards and
   optimizer state in pinned host memory (`fs.Schedule(offload=True)`), with and without
-  `remat=True` (the peak is mostly activations), and remat alone for its cost.
+  `remat=True` (the peak is mostly activations), and remat alone for its cost;
+  `fs-offload-host`: everything offloaded with the update on the host (torch's fused CPU AdamW);
+- `fs-zero1`: `fused=True` with ZeRO-1 (`fs.Schedule(reshard_after_update=False)`).
 
 Per arm: seconds per step, tokens/s, MFU (6 N + 12 L h s FLOPs per token over 989 TFLOP/s,
 H100/H200 SXM dense bf16) and the allocator's peak (`torch.cuda.max_memory_allocated` during a
@@ -176,9 +178,63 @@ KERNEL_CLASSES = (
 )
 
 
+def trace_figures(trace: dict) -> dict:
+    """From a Chrome trace of one step: the device's busy time (the union of its kernels' and
+    copies' intervals), its idle time inside the step's span, the host<->device copies' time and
+    how much of it ran while a kernel ran (overlap), and the host's synchronizations (calls that
+    wait for the device: each one stops the host from running ahead)."""
+
+    def union(intervals):
+        total, end = 0.0, float("-inf")
+        for a, b in sorted(intervals):
+            if b > end:
+                total += b - max(a, end)
+                end = b
+        return total
+
+    def merged(intervals):
+        out = []
+        for a, b in sorted(intervals):
+            if out and a <= out[-1][1]:
+                out[-1][1] = max(out[-1][1], b)
+            else:
+                out.append([a, b])
+        return out
+
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
+    kernels = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "kernel"]
+    copies = [(e["ts"], e["ts"] + e["dur"], e.get("name", "")) for e in events if e.get("cat") == "gpu_memcpy"]
+    device = kernels + [(a, b) for a, b, _ in copies] + [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "gpu_memset"]
+    if not device:
+        return {}
+    span = max(b for _, b in device) - min(a for a, _ in device)
+    busy_kernels = merged(kernels)
+
+    def overlap(a, b):
+        return sum(max(0.0, min(b, y) - max(a, x)) for x, y in busy_kernels)
+
+    syncs = [e for e in events if e.get("cat") == "cuda_runtime" and "Synchronize" in e.get("name", "")]
+    h2d = [(a, b) for a, b, n in copies if "HtoD" in n]
+    d2h = [(a, b) for a, b, n in copies if "DtoH" in n]
+    streams = sorted({e.get("args", {}).get("stream") for e in events if e.get("cat") in ("kernel", "gpu_memcpy")} - {None})
+    return {
+        "span_ms": span / 1e3, "device_busy_ms": union(device) / 1e3, "device_idle_ms": (span - union(device)) / 1e3,
+        "kernel_busy_ms": union(kernels) / 1e3, "kernels": len(kernels),
+        "h2d_ms": sum(b - a for a, b in h2d) / 1e3, "h2d_overlapped_ms": sum(overlap(a, b) for a, b in h2d) / 1e3,
+        "d2h_ms": sum(b - a for a, b in d2h) / 1e3, "d2h_overlapped_ms": sum(overlap(a, b) for a, b in d2h) / 1e3,
+        "copies": len(copies), "host_syncs": len(syncs), "host_sync_ms": sum(e["dur"] for e in syncs) / 1e3,
+        "streams": streams,
+    }
+
+
 def profile_step(name: str, arm, device, out: Path | None) -> dict:
-    """One step of `arm` under torch.profiler: device (or CPU) time per kernel class, the ten
-    costliest kernels, the step's wall time, and a Chrome trace `<out>.<arm>.trace.json`."""
+    """One step of `arm` under torch.profiler: device (or CPU) time per kernel class, every
+    kernel's count and time, the device's busy and idle time and the copies' overlap
+    (`trace_figures`), the step's wall time, and a gzipped Chrome trace `<out>.<arm>.trace.json.gz`."""
+    import gzip
+    import os
+    import tempfile
+
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -190,19 +246,32 @@ def profile_step(name: str, arm, device, out: Path | None) -> dict:
     wall = time.perf_counter() - start
     events = prof.key_averages()
     attr = "device_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    kernels = [(e.key, getattr(e, attr, 0.0) or 0.0) for e in events if (getattr(e, attr, 0.0) or 0.0) > 0]
+    kernels = [(e.key, getattr(e, attr, 0.0) or 0.0, e.count) for e in events if (getattr(e, attr, 0.0) or 0.0) > 0]
     if device.type != "cuda":
-        kernels = [(k, t) for k, t in kernels if k.startswith("aten::")]
+        kernels = [k for k in kernels if k[0].startswith("aten::")]
     classes: dict = {}
-    for key, us in kernels:
+    for key, us, _ in kernels:
         lowered = key.lower()
         kind = next((c for c, words in KERNEL_CLASSES if any(w in lowered for w in words)), "elementwise/other")
         classes[kind] = classes.get(kind, 0.0) + us / 1e3
+    fd, raw = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    prof.export_chrome_trace(raw)
+    with open(raw) as f:
+        figures = trace_figures(json.load(f))
     if out is not None:
-        prof.export_chrome_trace(str(out.with_suffix(f".{name}.trace.json")))
-    top = sorted(kernels, key=lambda kv: -kv[1])[:10]
+        with open(raw, "rb") as f, gzip.open(str(out.with_suffix(f".{name}.trace.json.gz")), "wb", compresslevel=6) as g:
+            g.write(f.read())
+    os.unlink(raw)
+    top = sorted(kernels, key=lambda k: -k[1])
     print(f"{name}: wall {wall * 1e3:.1f} ms; ms by class " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(classes.items(), key=lambda kv: -kv[1])), flush=True)
-    return {"wall_ms": wall * 1e3, "ms_by_class": classes, "top_kernels_ms": [(k[:120], t / 1e3) for k, t in top]}
+    if figures:
+        print(f"{name}: device busy {figures['device_busy_ms']:.1f} ms, idle {figures['device_idle_ms']:.1f} ms of a {figures['span_ms']:.1f} ms span; "
+              f"{figures['kernels']} kernels; H2D {figures['h2d_ms']:.1f} ms ({figures['h2d_overlapped_ms']:.1f} under kernels), "
+              f"D2H {figures['d2h_ms']:.1f} ms ({figures['d2h_overlapped_ms']:.1f} under kernels); "
+              f"{figures['host_syncs']} host syncs ({figures['host_sync_ms']:.1f} ms); streams {figures['streams']}", flush=True)
+    return {"wall_ms": wall * 1e3, "ms_by_class": classes, "trace": figures,
+            "kernels_ms_count": [(k[:160], t / 1e3, c) for k, t, c in top[:400]]}
 
 
 def main() -> None:
@@ -214,12 +283,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--arms", default="torch,fsdp2,fs,fs-fused,torch-compile,fs-compile")
-    parser.add_argument("--analyze", default="fs-fused", help="the fs arm whose memory and time fs.analysis predicts (else the first fs arm)")
+    parser.add_argument("--analyze", default="fs-fused,fs-offload,fs-offload-remat",
+                        help="the fs arms whose memory fs.analysis predicts (comma list; the first present one's time is simulated too)")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--calibrate", action="store_true", help="calibrate the simulator here and predict the fs step")
     parser.add_argument("--profile", action="store_true",
                         help="one more step of each arm under torch.profiler: device time by kernel class, top kernels, "
                              "the host time, and a Chrome trace per arm next to --out")  # fmt: skip
+    parser.add_argument("--profile-arms", default=None, help="profile these arms only (comma list; default every arm)")
     args = parser.parse_args()
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -255,6 +326,10 @@ def main() -> None:
                 arms[name] = FsArm(module, batch, mesh, schedule=fs.Schedule(offload=True), fused=True)
             elif name == "fs-offload-remat":  # ... and every unit rematerialized (activations are most of the peak)
                 arms[name] = FsArm(module, batch, mesh, schedule=fs.Schedule(offload=True, remat=True), fused=True)
+            elif name == "fs-zero1":  # ZeRO-1: parameters kept whole between steps, one all-gather after the update
+                arms[name] = FsArm(module, batch, mesh, schedule=fs.Schedule(reshard_after_update=False), fused=True)
+            elif name == "fs-offload-host":  # everything offloaded, the update on the host (torch's fused CPU AdamW)
+                arms[name] = FsArm(module, batch, mesh, schedule=fs.Schedule(offload=fs.schedule.Offload(update="host")), fused=True)
             elif name == "fs-remat":
                 arms[name] = FsArm(module, batch, mesh, schedule=fs.Schedule(remat=True), fused=True)
             elif name == "fs-compile":
@@ -291,45 +366,46 @@ def main() -> None:
         )
     log(results, args.out, arms=rows)
     if args.profile:
-        log(results, args.out, profile={name: profile_step(name, arm, device, args.out) for name, arm in arms.items()})
+        chosen = args.profile_arms.split(",") if args.profile_arms else list(arms)
+        log(results, args.out, profile={name: profile_step(name, arm, device, args.out) for name, arm in arms.items() if name in chosen})
 
-    analyzed = args.analyze if args.analyze in arms else next((a for a in arms if a.startswith("fs")), None)
-    if analyzed is not None:
-        fs_arm = arms[analyzed]
+    analyzed = [a for a in args.analyze.split(",") if a in arms] or [a for a in arms if a.startswith("fs")][:1]
+    machine = None
+    for i, name in enumerate(analyzed):
+        fs_arm = arms[name]
         try:
             compiled = fs_arm.step.lower(fs_arm.state, batch)
-            analysis_machine = fs.analysis.h100_sxm(world_size=1)
-            predicted = fs.analysis.simulate(compiled, analysis_machine)
+            predicted = fs.analysis.simulate(compiled, fs.analysis.h100_sxm(world_size=1))
             extra = dict(predicted_peak=predicted.memory.peak, predicted_resident=predicted.memory.resident,
+                         predicted_host_resident=getattr(predicted.memory, "host_resident", 0),
                          predicted_peak_node=predicted.memory.peak_node, h100_datasheet_step_s=predicted.step_s)
             if args.calibrate:
-                start = time.perf_counter()
-                machine = fs.analysis.calibrate(mesh)
-                extra["calibrate_s"] = time.perf_counter() - start
-                if args.out is not None:
-                    machine.save(str(args.out.with_suffix(".machine.json")))
+                if machine is None:
+                    start = time.perf_counter()
+                    machine = fs.analysis.calibrate(mesh)
+                    extra["calibrate_s"] = time.perf_counter() - start
+                    if args.out is not None:
+                        machine.save(str(args.out.with_suffix(".machine.json")))
                 calibrated = fs.analysis.simulate(compiled, machine)
                 extra.update(calibrated_step_s=calibrated.step_s, calibrated_compute_s=calibrated.compute_s,
                              calibrated_phases=calibrated.phases, machine_matmul=machine.matmul_flops[-3:],
                              machine_scale=machine.matmul_dtype_scale, machine_attention=machine.attention_flops)
-            log(results, args.out, fs_analysis=dict(extra, arm=analyzed))
+            log(results, args.out, fs_analysis={**results.get("fs_analysis", {}), name: extra})
         except Exception as error:
-            log(results, args.out, **{"error/analysis": f"{type(error).__name__}: {error}"})
-            print(f"analysis: FAILED {type(error).__name__}: {error}", flush=True)
+            log(results, args.out, **{f"error/analysis/{name}": f"{type(error).__name__}: {error}"})
+            print(f"analysis of {name}: FAILED {type(error).__name__}: {error}", flush=True)
 
     print(f"\n{'arm':<14} {'s/step':>8} {'tokens/s':>10} {'MFU':>6} {'peak GiB':>9} {'vs torch':>9}")
     base_s = rows.get("torch", {}).get("step_s")
     for name, r in rows.items():
         ratio = f"{r['step_s'] / base_s:.3f}x" if base_s else "-"
         print(f"{name:<14} {r['step_s']:8.4f} {r['tokens_per_s']:10.0f} {r['mfu'] * 100:5.1f}% {r['peak_bytes'] / 2**30:9.2f} {ratio:>9}")
-    if "fs_analysis" in results:
-        a = results["fs_analysis"]
-        measured = rows[a["arm"]]
-        print(f"fs.analysis of the {a['arm']} arm:")
-        print(f"fs predicted peak {a['predicted_peak'] / 2**30:.2f} GiB vs measured {measured['peak_bytes'] / 2**30:.2f} GiB "
-              f"({(a['predicted_peak'] / max(measured['peak_bytes'], 1) - 1) * 100:+.1f}%)")
+    for name, a in results.get("fs_analysis", {}).items():
+        measured = rows[name]
+        print(f"fs.analysis of {name}: predicted peak {a['predicted_peak'] / 2**30:.2f} GiB vs measured {measured['peak_bytes'] / 2**30:.2f} GiB "
+              f"({(a['predicted_peak'] / max(measured['peak_bytes'], 1) - 1) * 100:+.1f}%); host {a['predicted_host_resident'] / 2**30:.2f} GiB")
         if "calibrated_step_s" in a:
-            print(f"fs simulated step {a['calibrated_step_s']:.4f} s (calibrated here) vs measured {measured['step_s']:.4f} s "
+            print(f"  simulated step {a['calibrated_step_s']:.4f} s (calibrated here) vs measured {measured['step_s']:.4f} s "
                   f"({(a['calibrated_step_s'] / measured['step_s'] - 1) * 100:+.1f}%)")
     fs.shutdown()
 
