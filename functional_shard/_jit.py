@@ -41,6 +41,7 @@ from ._pytree import tree_flatten, tree_paths
 from ._replay import culprit_frame, make_fx_with_sources, replay
 from ._retained import Retained
 from .schedule._graph import copy_graph, microbatch_label
+from .schedule._offload import offload_copies, stream_offload_copies
 from .schedule._lower import drop_collectives, free_sent_and_received, gather_casts_in_place, gradients_in_place, runnable
 
 __all__ = ["CacheKey", "CompiledStep", "FlatIO", "Jit", "TraceError", "agree"]
@@ -296,7 +297,11 @@ def lower_for_mesh(gm: fx.GraphModule, mesh, *, in_place: bool = False) -> None:
     of the graph; then, with `in_place` (`Schedule(gradients_in_place=True)`, experimental),
     gradients computed straight into their unit's flat buffer."""
     if mesh.world_size == 1:
-        drop_collectives(gm)
+        if drop_collectives(gm) and offload_copies(gm):
+            # a gradient's copy to the host read its reduce-scatter's wait, which sat late: it
+            # now reads the gradient itself, and goes right after it (CPU offload)
+            stream_offload_copies()(gm, None)
+            gm.recompile()
     else:
         gather_casts_in_place(gm, mesh.shard_index)
         free_sent_and_received(gm)

@@ -35,7 +35,7 @@ from torch.library import custom_op
 
 from ._pytree import NAMESPACE
 
-__all__ = ["offload_copy", "to_device", "to_host", "place_on_host", "OFFLOAD_COPY", "offloaded", "streamed", "map_buffers"]
+__all__ = ["offload_copy", "to_device", "to_host", "place_on_host", "keep_pinned", "OFFLOAD_COPY", "offloaded", "streamed", "map_buffers"]
 
 HOST = torch.device("cpu")
 
@@ -84,6 +84,23 @@ def place_on_host(t: torch.Tensor) -> torch.Tensor:
     """A host copy of a state tensor, pinned where a GPU can copy from it asynchronously."""
     host = t.detach().to(HOST, copy=True)
     return host.pin_memory() if torch.cuda.is_available() and t.device.type == "cuda" else host
+
+
+def keep_pinned(tree: Any, device: torch.device) -> Any:
+    """`tree` with each host tensor that is not pinned copied into pinned memory, where the
+    compute `device` is a GPU: a step that does not donate its state returns new host tensors
+    (the host update's results, the device update's copies back), which torch allocates
+    pageable; the next step's copies from them would be synchronous and slower. Elsewhere (one
+    memory: no GPU) `tree` as it is."""
+    if torch.device(device).type != "cuda":
+        return tree
+
+    def pinned(t):
+        if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.dim() > 0 and not t.is_pinned():
+            return t.pin_memory()
+        return t
+
+    return optree.tree_map(pinned, tree, none_is_leaf=False, namespace=NAMESPACE)
 
 
 def offloaded(fn, spec) -> torch.device | None:

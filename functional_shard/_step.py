@@ -23,7 +23,7 @@ from ._checks import (
     batch_facts, broadcast_from_rank0, check_leaves, check_same_values, optimizer_facts, refused_batch, scalar_facts,
     step_facts,
 )
-from ._offload import map_buffers, place_on_host
+from ._offload import keep_pinned, map_buffers, place_on_host
 from ._reference import StepError, StepFunction
 from .initialize import shard_from
 from ._nonfinite import NonFinite
@@ -290,6 +290,9 @@ class ShardedStep:
         # Skipped: the state given, as it was (parameters, module buffers, optimizer state).
         params = sharded if skip else sharded.replace(shards=out.shards, local=out.local)
         opt_state = state.opt_state if skip else out.opt_state
+        if self.schedule.offload is not None and not skip:  # new host tensors come back pageable
+            shards, opt_state = keep_pinned((params.shards, opt_state), getattr(self.mesh, "device", "cpu"))
+            params = params.replace(shards=shards)
         new_state = StepState(params, opt_state, out.loss_scale, state.rng, state.step + 1, self._key)
         if self._fn.keep:
             new_state = new_state.replace(gathered=rest[-1] if skip else tuple(out.kept))

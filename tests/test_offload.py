@@ -228,6 +228,44 @@ def test_analysis_reports_host_and_device_bytes_apart():
         assert plans[name][1].step_s > plans["none"][1].step_s, name
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_one_rank_streams_each_copy_next_to_its_use(fused):
+    """At world size 1 (no collective to hang copies on; planned on an abstract mesh, which
+    also plans torch's fused AdamW): each gradient goes to the host right after it is made, and
+    each update copy comes to the device right before the node that computes with it (its
+    views with it), so one buffer's update state is on the device at a time, not the whole
+    state (on a 1.1B Llama the update's planned device peak fell from 13.5 GB to 5.2 GB)."""
+    params, loss_fn = build()
+    batch = (torch.empty(ROWS, 11, dtype=torch.long, device="meta"),) * 2
+    mesh = fs.analysis.AbstractMesh({"fsdp": 1})
+    optimizer = fs.optim.adamw(1e-3, weight_decay=0.1, fused=fused)
+    analysis, compiled = fs.analysis.plan(loss_fn, params, batch, mesh=mesh, optimizer=optimizer,
+                                          schedule=fs.Schedule(offload=True), donate=True)  # fmt: skip
+    gm = compiled.graph_module
+    copies = fs.schedule.offload_copies(gm)
+    to_host = [n for n in copies if n.args[2] and n.args[0].op != "placeholder"]
+    to_device = [n for n in copies if not n.args[2]]
+    assert to_host and to_device
+    from functional_shard.schedule._graph import _is_view
+
+    from functional_shard.schedule._offload import _last_write
+
+    for copy in to_host:  # right after what it copies (or the last in-place write to it), other copies between
+        node = _last_write(gm, copy.args[0], copy).next
+        while node is not copy:
+            assert node in to_host, (copy, node)
+            node = node.next
+    for copy in to_device:  # then only copies and their views until the first node computing with it
+        node, mine, copied = copy.next, {copy}, set(to_device)
+        while node in copied or _is_view(node) and node.args and node.args[0] in copied:
+            if node.args and node.args[0] in mine:
+                mine.add(node)
+            copied.add(node)
+            node = node.next
+        assert any(a in mine for a in node.all_input_nodes), (copy, node)
+    assert analysis.memory.host_resident > 0
+
+
 def export_and_resume(mesh, path: str) -> dict:
     """An offloaded state exports what the default state exports, and resumes from a checkpoint
     to the bits of training straight through."""

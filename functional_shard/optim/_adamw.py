@@ -172,6 +172,8 @@ def adamw(
             for run in merge(runs, lambda g: (hyper[g].decay_key, hyper[g].moments_key)):
                 h = hyper[run.group]
                 lr = per_group[run.group]["lr"].to(param.device, torch.float32)
+                if param.device.type == "meta":  # a planned step (fs.analysis.plan): the tensor-lr
+                    lr = 0.0  # overload has no meta kernel; the float one does, with the same shapes
                 pieces = [cut(t, run) for t in (param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq)]
                 torch._fused_adamw_(
                     [pieces[0]], [pieces[1]], [pieces[2]], [pieces[3]], [pieces[4]] if amsgrad else [], [step],

@@ -109,8 +109,31 @@ class stream_offload_copies(Pass):
                     if after.next is not node:
                         after.append(node)
             elif node.users:
-                order = {n: i for i, n in enumerate(gm.graph.nodes)}
-                first = min(node.users, key=order.__getitem__)
-                if node.next is not first:
-                    first.prepend(node)
+                _before_first_reader(gm, node)
         return gm
+
+
+def _before_first_reader(gm: fx.GraphModule, copy: fx.Node) -> None:
+    """Move a copy to the device right before the first node that computes with it, with the
+    views of it (detach, slices of a flat buffer) that the trace made early: the optimizer
+    detaches every state tensor first and computes buffer by buffer later, and a copy placed
+    before its first view would make every buffer's state live on the device at once."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    chain, frontier = set(), [copy]
+    while frontier:
+        for user in frontier.pop().users:
+            if user not in chain and _is_view(user):
+                chain.add(user)
+                frontier.append(user)
+    readers = [u for a in (copy, *chain) for u in a.users if u not in chain]
+    if not readers:
+        return
+    first = min(readers, key=order.__getitem__)
+    inputs_ready = all(
+        order[i] < order[first] for a in chain for i in a.all_input_nodes if i is not copy and i not in chain
+    )
+    moved = [copy, *sorted(chain, key=order.__getitem__)] if inputs_ready else [copy]
+    if not inputs_ready:
+        first = min(copy.users, key=order.__getitem__)
+    for node in moved:
+        first.prepend(node)

@@ -43,6 +43,7 @@ def default_passes(
         *extra_passes,                       # plain functions gm -> gm are wrapped
         limit_in_flight(),                   # the mesh's max_collectives_in_flight
         early_update(),                      # moves no collective: runs after the bound
+        stream_offload_copies(),             # only with offload: again, after the update moved
 
     `rematerialize` comes first because it adds computation to the backward that reads the
     units' gathered parameters: `reshard_after_forward` then gives those reads, like every
@@ -62,7 +63,8 @@ def default_passes(
         passes.append(stream_offload_copies())
     if bucket_bytes:
         passes.append(bucket_gathers(bucket_bytes))
-    return (*passes, *(as_pass(p) for p in extra_passes), _passes.limit_in_flight(), early_update())
+    tail = (_passes.limit_in_flight(), early_update()) + ((stream_offload_copies(),) if offload is not None else ())
+    return (*passes, *(as_pass(p) for p in extra_passes), *tail)
 
 
 @dataclasses.dataclass(frozen=True)
