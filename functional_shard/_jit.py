@@ -41,6 +41,7 @@ from ._pytree import tree_flatten, tree_paths
 from ._replay import culprit_frame, make_fx_with_sources, replay
 from ._retained import Retained
 from .schedule._graph import copy_graph, microbatch_label
+from .schedule._causal import causal_masks
 from .schedule._offload import offload_copies, stream_offload_copies
 from .schedule._lower import drop_collectives, free_sent_and_received, gather_casts_in_place, gradients_in_place, runnable
 
@@ -244,6 +245,8 @@ def trace(program: Callable[..., NamedTuple], mesh, key: CacheKey, io: FlatIO, i
                 f"branch with torch.where"
             ) from error
     _label_collectives(gm, log)
+    if schedule.causal_masks:
+        causal_masks(gm)
     for index in io.forward_ends:
         _mark_forward_end(gm, index)
     return scheduled_step(gm, schedule, mesh, key=key, io=io, guards=list(guards), retained=retained)

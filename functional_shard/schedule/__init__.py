@@ -69,6 +69,7 @@ from ._update import early_update as early_update
 from ._offload import Offload as Offload
 from ._offload import offload_copies as offload_copies
 from ._offload import stream_offload_copies as stream_offload_copies
+from ._causal import causal_masks as causal_masks
 from ._schedule import Schedule as Schedule
 from ._schedule import apply_schedule as apply_schedule
 from ._schedule import default_passes as default_passes
@@ -95,6 +96,7 @@ __all__ = [
     "early_update",
     "Offload",
     "stream_offload_copies",
+    "causal_masks",
     # graph tools
     "CollectiveTag",
     "Member",

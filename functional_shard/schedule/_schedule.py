@@ -158,6 +158,14 @@ class Schedule:
             not with `reshard_after_update=False`, `canonical_chunks` or a pipeline. It changes
             what is traced, so it goes with `passes=(...)` too (put `stream_offload_copies()`
             in your list, else the copies stay where the trace made them).
+        causal_masks: True (default): a fused attention whose mask the trace built from
+            constants alone (no input of the step) and which is exactly causal runs with
+            `is_causal=True` and no mask (`fs.schedule.causal_masks`): what a Hugging Face
+            model runs eagerly on a batch without padding, where under tracing it builds the
+            mask as a tensor (the masked kernel: 2.8x the attention time on an H200). A mask
+            computed from the batch is kept. False keeps every mask as traced (a model that
+            passes a constant causal mask to attention eagerly then keeps the masked kernel's
+            bits). Traced steps only.
     """
 
     trace: bool = True
@@ -175,8 +183,11 @@ class Schedule:
     reshard_after_backward: bool = True
     reshard_after_update: bool = True
     offload: Any = None
+    causal_masks: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.causal_masks, bool):
+            raise ValueError(f"Schedule.causal_masks must be a bool; got {self.causal_masks!r}")
         if self.offload is True:
             object.__setattr__(self, "offload", Offload())
         if self.offload is not None and not isinstance(self.offload, Offload):
