@@ -3,7 +3,7 @@
 # has torch, transformers, safetensors, einops, pytest and hypothesis (optree may come as a
 # wheel in .whl/). Logs and results go to $OUT (default ./gpu-out).
 #   bash tools/gpu_check.sh [tests] [bench]     (TESTS=-k expression, ARMS=comma list: benchmarks/gpu.py,
-#                                               BENCH_ARGS=more of its arguments, e.g. --profile)
+#                                               BENCH_ARGS=more of its arguments, e.g. --profile; CALIBRATE= skips --calibrate)
 set -u
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -16,6 +16,6 @@ what=${*:-tests bench}
 for part in $what; do
   case $part in
     tests) timeout ${TESTS_S:-150} python3 -m pytest -q -p no:cacheprovider -p no:logging -rP tests/test_cuda.py ${TESTS:+-k "$TESTS"} 2>&1 | tee "$OUT/tests.log" | grep -a "passed\|failed\|FAILED\|Error\|update=host" | tail -25 ;;
-    bench) timeout ${BENCH_S:-270} python3 benchmarks/gpu.py --out "$OUT/gpu.json" --calibrate --rounds ${ROUNDS:-3} --steps 3 --arms ${ARMS:-torch,fsdp2,fs,fs-fused,fs-compile} ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | grep -v "Warning\|USDT" | tail -40 ;;
+    bench) timeout ${BENCH_S:-270} python3 benchmarks/gpu.py --out "$OUT/gpu.json" ${CALIBRATE---calibrate} --rounds ${ROUNDS:-3} --steps 3 --arms ${ARMS:-torch,fsdp2,fs,fs-fused,fs-compile} ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | grep -v "Warning\|USDT" | tail -40 ;;
   esac
 done
