@@ -339,6 +339,9 @@ def main() -> None:
             for _ in range(args.warmup):
                 timed(arms[name], device)
             log(results, args.out, **{f"setup_s/{name}": time.perf_counter() - start})
+            if isinstance(arms[name], FsArm):  # what fs.schedule.causal_masks did with each attention mask
+                log(results, args.out, **{f"attention_masks/{name}": [
+                    line for line in arms[name].step.explain().splitlines() if line.startswith("attention mask")]})
             print(f"{name}: set up and warmed in {time.perf_counter() - start:.1f} s", flush=True)
         except Exception as error:  # one arm's failure is a result, not the end of the run
             arms.pop(name, None)

@@ -199,7 +199,9 @@ class CompiledStep:
     release: Callable[[], Any] = dataclasses.field(default=lambda: None, repr=False, compare=False)
 
     def explain(self) -> str:
-        return schedule_lib.explain(self.events, title=f"schedule of {self.key.describe()}")
+        text = schedule_lib.explain(self.events, title=f"schedule of {self.key.describe()}")
+        masks = self.graph_module.meta.get("causal_masks", ())  # schedule/_causal.py
+        return text + "".join(f"\nattention mask: {line}" for line in masks)
 
     def guards_hold(self) -> bool:
         return all(g.read() == g.value for g in self.guards)

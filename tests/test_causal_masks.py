@@ -6,7 +6,8 @@ constants and which is exactly causal runs with `is_causal=True`, as the eager s
   graph has no mask left, `is_causal=True`, and gives the eager step's bits; with
   `causal_masks=False` the masks stay;
 - a batch with padding: the mask is computed from the batch, and stays;
-- a hand-written model: a constant causal mask, boolean or additive (0 / -inf), becomes
+- a hand-written model: a constant causal mask, boolean or additive (0 / -inf, made out of
+  place or written in place through a view), becomes
   `is_causal=True` with the bits of a model that asks for `is_causal=True`; a constant mask
   that is not causal (a band) stays.
 """
@@ -92,6 +93,7 @@ def test_hugging_face_causal_mask_runs_as_is_causal_with_the_eager_bits():
         step, traced, traced_losses = train(loss, params, mesh, fs.Schedule(), batches(False))
         nodes = attention_nodes(step)
         assert nodes and all(causal(n) and not masked(n) for n in nodes), [(n.args, n.kwargs) for n in nodes]
+        assert "-> is_causal=True" in step.explain()
         assert all(torch.equal(a, b) for a, b in zip(eager_losses, traced_losses)) and same_bits(eager, traced)
         kept, _, _ = train(loss, params, mesh, fs.Schedule(causal_masks=False), batches(False))
         assert all(masked(n) and not causal(n) for n in attention_nodes(kept))
@@ -114,7 +116,12 @@ def tiny_attention(mask_kind: str):
             allowed = positions[None, :] <= positions[:, None]
             if mask_kind == "band":
                 allowed = allowed & (positions[:, None] - positions[None, :] < 4)
-            mask = allowed if mask_kind != "additive" else torch.zeros(LENGTH, LENGTH).masked_fill(~allowed, float("-inf"))
+            if mask_kind == "in_place":  # filled in place, through a view: as torch pads an attention bias
+                mask = torch.empty(LENGTH, LENGTH)
+                mask.fill_(0.0)
+                mask[:].masked_fill_(~allowed, float("-inf"))
+            else:
+                mask = allowed if mask_kind != "additive" else torch.zeros(LENGTH, LENGTH).masked_fill(~allowed, float("-inf"))
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         y = y.transpose(1, 2).reshape(ids.shape[0], LENGTH, 16) @ p["out"].t()
         return F.cross_entropy((y @ p["emb"].t()).reshape(-1, VOCAB), torch.roll(ids, -1, 1).reshape(-1))
@@ -122,7 +129,7 @@ def tiny_attention(mask_kind: str):
     return params, lambda p, b: forward(p, b[0])
 
 
-@pytest.mark.parametrize("kind", ["boolean", "additive", "band"])
+@pytest.mark.parametrize("kind", ["boolean", "additive", "in_place", "band"])
 def test_constant_masks(kind):
     data = [(torch.randint(0, VOCAB, (2, LENGTH), generator=torch.Generator().manual_seed(i)),) for i in range(2)]
     with fs.init_mesh({"fsdp": 1}, backend="gloo") as mesh:
@@ -132,10 +139,11 @@ def test_constant_masks(kind):
         assert len(nodes) == 2  # forward and backward
         if kind == "band":  # not causal: kept as traced, the eager step's bits
             assert all(masked(n) and not causal(n) for n in nodes)
+            assert "kept (not the causal pattern)" in step.explain()
             _, eager, _ = train(loss, params, mesh, fs.Schedule(trace=False), data)
             assert same_bits(state, eager)
             return
-        assert all(causal(n) and not masked(n) for n in nodes)
+        assert all(causal(n) and not masked(n) for n in nodes), step.cache[next(iter(step.cache))].graph_module.meta
         gm = step.cache[next(iter(step.cache))].graph_module
         assert not any(n.target is torch.ops.aten.arange.start for n in gm.graph.nodes if not n.users)
         params, is_causal = tiny_attention("is_causal")

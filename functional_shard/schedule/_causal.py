@@ -26,7 +26,10 @@ import operator
 import torch
 from torch import fx
 
-from ._graph import _is_pure
+from torch._subclasses.fake_tensor import FakeTensor
+
+from ._graph import _is_pure, _is_view
+from ._remat import written_inputs
 
 __all__ = ["causal_masks"]
 
@@ -46,23 +49,38 @@ _MASKED = {
 def causal_masks(gm: fx.GraphModule) -> int:
     """Rewrite every fused attention node of `gm` whose mask is made of constants and is the
     causal pattern to `is_causal=True` without a mask (see the module docstring); remove what
-    computed the mask. Returns how many nodes were rewritten."""
-    masks: dict[fx.Node, bool] = {}
+    computed the mask. Returns how many nodes were rewritten; `gm.meta["causal_masks"]` says,
+    for each masked attention node, what was done and why (`step.explain()` prints it)."""
+    verdicts: dict[fx.Node, str] = {}
+    report: list[str] = []
     rewritten = 0
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target not in _MASKED:
             continue
         mask = _argument(node, _MASKED[node.target])
-        if not isinstance(mask, fx.Node) or _argument(node, "is_causal") or _argument(node, "dropout_p"):
+        if not isinstance(mask, fx.Node):
             continue
-        if mask not in masks:
-            masks[mask] = _is_causal_constant(gm, mask, _query_key_lengths(node))
-        if masks[mask]:
+        if _argument(node, "is_causal") or _argument(node, "dropout_p"):
+            report.append(f"{node.name}: mask kept (is_causal or dropout already set)")
+            continue
+        if mask not in verdicts:
+            verdicts[mask] = _causal_constant(gm, mask, node, _query_key_lengths(node))
+        if verdicts[mask] == "causal":
             _set_argument(node, _MASKED[node.target], None)
             _set_argument(node, "is_causal", True)
             rewritten += 1
+            report.append(f"{node.name}: constant causal mask {mask.name} -> is_causal=True")
+        else:
+            report.append(f"{node.name}: mask {mask.name} kept ({verdicts[mask]})")
+    if report:
+        gm.meta["causal_masks"] = tuple(report)
     if rewritten:
-        _erase_unused(gm, [m for m, causal in masks.items() if causal])
+        masks = [m for m, verdict in verdicts.items() if verdict == "causal"]
+        made = _ancestors(masks)
+        made |= {n for n in gm.graph.nodes if _is_view(n) and n.args and n.args[0] in made}
+        writers = [n for n in gm.graph.nodes if n.op == "call_function" and not n.users and not _is_pure(n)
+                   and any(w in made for w in written_inputs(n))]  # fmt: skip
+        _erase_unused(gm, masks + writers)
         gm.graph.lint()
         gm.recompile()
     return rewritten
@@ -103,40 +121,60 @@ def _query_key_lengths(node: fx.Node) -> tuple[int, int] | None:
         return None
 
 
-def _is_causal_constant(gm: fx.GraphModule, mask: fx.Node, lengths: tuple[int, int] | None) -> bool:
-    """Whether `mask` reads no input of the step and evaluates to the causal pattern for
-    square attention of `lengths`."""
+def _causal_constant(gm: fx.GraphModule, mask: fx.Node, reader: fx.Node, lengths: tuple[int, int] | None) -> str:
+    """"causal" when `mask` reads no input of the step, nothing else writes what it is made of
+    before `reader` reads it, and it evaluates to the causal pattern for square attention of
+    `lengths`; else why not."""
     if lengths is None or lengths[0] != lengths[1]:
-        return False
+        return f"attention of {lengths}, not square with static lengths"
+    made: set[fx.Node] = set()  # the nodes that make the mask: what it reads, and what writes that
     stack = [mask]
-    seen: set[fx.Node] = set()
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        if node.op == "placeholder" or (node.op == "call_function" and not _is_pure(node)) or node.op not in ("call_function", "get_attr"):
-            return False
-        stack.extend(node.all_input_nodes)
+    while True:
+        while stack:
+            node = stack.pop()
+            if node in made:
+                continue
+            if node.op == "placeholder":
+                return "it is computed from the step's inputs"
+            if node.op not in ("call_function", "get_attr"):
+                return f"it reads {node.op} {node.name}"
+            made.add(node)
+            stack.extend(node.all_input_nodes)
+        aliases = set(made)  # what the mask is made of, and the views of it
+        for node in gm.graph.nodes:
+            if node is reader:
+                break
+            if node not in aliases and _is_view(node) and node.args and node.args[0] in aliases:
+                aliases.add(node)
+        for node in gm.graph.nodes:  # in-place writes into it (through a view too), before it is read
+            if node is reader:
+                break
+            if node not in made and node.op == "call_function" and not _is_pure(node):
+                written = [w for w in written_inputs(node) if w in aliases]
+                if written:
+                    stack += [node, *written]
+        if not stack:
+            break
     try:
-        value = _evaluate(gm, mask, seen)
-    except Exception:  # noqa: BLE001 - an op that cannot run here: keep the mask as traced
-        return False
+        value = _evaluate(gm, mask, made)
+    except Exception as error:  # noqa: BLE001 - an op that cannot run here: keep the mask as traced
+        return f"it could not be computed at trace time ({type(error).__name__}: {str(error)[:120]})"
     if not isinstance(value, torch.Tensor) or value.dim() < 2 or tuple(value.shape[-2:]) != tuple(lengths):
-        return False
+        return f"its shape {tuple(getattr(value, 'shape', ()))} is not (..., {lengths[0]}, {lengths[1]})"
     n = lengths[0]
     causal = torch.ones(n, n, dtype=torch.bool, device=value.device).tril()
     if value.dtype == torch.bool:
-        return bool((value == causal).all())
+        return "causal" if bool((value == causal).all()) else "not the causal pattern"
     if not value.is_floating_point():
-        return False
+        return f"its dtype {value.dtype} is neither bool nor floating"
     lowest = torch.finfo(value.dtype).min
     allowed, blocked = value == 0, (value == float("-inf")) | (value == lowest)
-    return bool((allowed == causal).all() and (blocked == ~causal).all())
+    return "causal" if bool((allowed == causal).all() and (blocked == ~causal).all()) else "not the causal pattern"
 
 
 def _evaluate(gm: fx.GraphModule, target: fx.Node, nodes: set[fx.Node]):
-    """Run the nodes `nodes` (the constant subgraph computing `target`) with real tensors."""
+    """Run the nodes `nodes` (the constant subgraph computing `target`, with the in-place
+    writes into it) in graph order with real tensors; `target`'s value after all of them."""
     env: dict[fx.Node, object] = {}
     for node in gm.graph.nodes:  # graph order is a topological order
         if node not in nodes:
@@ -145,25 +183,38 @@ def _evaluate(gm: fx.GraphModule, target: fx.Node, nodes: set[fx.Node]):
             value = gm
             for part in node.target.split("."):
                 value = getattr(value, part)
-            env[node] = value
+            if isinstance(value, FakeTensor):
+                raise RuntimeError(f"the constant {node.target} is a fake tensor")
+            env[node] = value.clone() if isinstance(value, torch.Tensor) else value  # the mask's ops may write it
         else:
             args = fx.node.map_arg(node.args, env.__getitem__)
             kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
             env[node] = node.target(*args, **kwargs)
-        if node is target:
-            return env[node]
-    raise RuntimeError("unreachable")
+    return env[target]
+
+
+def _ancestors(roots: list[fx.Node]) -> set[fx.Node]:
+    found, stack = set(), list(roots)
+    while stack:
+        node = stack.pop()
+        if node not in found:
+            found.add(node)
+            stack.extend(node.all_input_nodes)
+    return found
 
 
 def _erase_unused(gm: fx.GraphModule, roots: list[fx.Node]) -> None:
-    """Erase `roots` and what only they read, where nothing reads them any more."""
-    stack = list(roots)
+    """Erase `roots` and what only they read, where nothing reads them any more (an in-place
+    write into the mask's own buffers goes with them: it has no reader left either)."""
+    stack, erased = list(roots), set()
     while stack:
         node = stack.pop()
-        if node.users or node.op not in ("call_function", "get_attr"):
+        if node in erased or node.users or node.op not in ("call_function", "get_attr"):
             continue
         if node.op == "call_function" and not (_is_pure(node) or node.target is operator.getitem):
-            continue
+            if any(w.op == "placeholder" for w in written_inputs(node)):
+                continue
         inputs = node.all_input_nodes
         gm.graph.erase_node(node)
+        erased.add(node)
         stack.extend(inputs)
