@@ -118,6 +118,13 @@ def same_bits(a, b) -> bool:
 BF16 = fs.Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
+def trained_pair(mesh, optimizer, first, second):
+    """The Llama in bf16 trained 3 steps under each of two schedules: ((state, losses), (state, losses))."""
+    a, a0 = fs_step("llama", mesh, optimizer=optimizer, precision=BF16, schedule=first)
+    b, b0 = fs_step("llama", mesh, optimizer=optimizer, precision=BF16, schedule=second)
+    return train(a, a0, "llama"), train(b, b0, "llama")
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("name", ["gpt", "llama"])
 def test_traced_equals_eager_on_cuda(deterministic, name, precision):
@@ -138,10 +145,7 @@ def test_fused_adamw_traced_equals_eager_on_cuda(deterministic):
     donated or not, bit for bit, and torch.optim.AdamW(fused=True)'s bits on the same gradients."""
     with fs.init_mesh({"fsdp": 1}) as mesh:
         optimizer = fs.optim.adamw(1e-3, weight_decay=0.1, fused=True)
-        traced, s0 = fs_step("llama", mesh, optimizer=optimizer, precision=BF16)
-        eager, e0 = fs_step("llama", mesh, optimizer=optimizer, precision=BF16, schedule=fs.Schedule(trace=False))
-        s, traced_losses = train(traced, s0, "llama")
-        e, eager_losses = train(eager, e0, "llama")
+        (s, traced_losses), (e, eager_losses) = trained_pair(mesh, optimizer, fs.Schedule(), fs.Schedule(trace=False))
         assert traced_losses == eager_losses and same_bits(s, e)
         torch.manual_seed(1)
         params = {"w": torch.randn(1000, device="cuda"), "b": torch.randn(7, device="cuda")}
@@ -297,8 +301,6 @@ def test_offload_update_on_the_host_on_cuda(deterministic):
 def test_zero1_on_cuda_gives_the_default_bits(deterministic):
     with fs.init_mesh({"fsdp": 1}) as mesh:
         optimizer = fs.optim.adamw(1e-3, weight_decay=0.1, fused=True)
-        default, d0 = fs_step("llama", mesh, optimizer=optimizer, precision=BF16)
-        kept, k0 = fs_step("llama", mesh, optimizer=optimizer, precision=BF16, schedule=fs.Schedule(reshard_after_update=False))
-        d, default_losses = train(default, d0, "llama")
-        k, kept_losses = train(kept, k0, "llama")
+        zero1 = fs.Schedule(reshard_after_update=False)
+        (d, default_losses), (k, kept_losses) = trained_pair(mesh, optimizer, fs.Schedule(), zero1)
         assert kept_losses == default_losses and same_bits_anywhere(k, d)

@@ -166,12 +166,14 @@ def adamw(
         def _fused_step(name, runs, param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, count) -> None:
             if torch.is_complex(param) or not param.is_floating_point():
                 raise ValueError(f"fs.optim.adamw(fused=True): {name!r} is {param.dtype}; the fused kernel takes real floating params")
-            # torch's fused path: the step tensor, incremented first, and the lr as float32
-            # tensors on the params' device (the kernel computes in float32).
+            # torch's fused path: the step tensor (float32), incremented first, and the lr as
+            # a tensor on the params' device.
             step = (count.detach() + 1).to(param.device, torch.float32)
             for run in merge(runs, lambda g: (hyper[g].decay_key, hyper[g].moments_key)):
                 h = hyper[run.group]
-                lr = per_group[run.group]["lr"].to(param.device, torch.float32)
+                # torch.optim passes a float lr, which the CPU kernel reads as a double and the
+                # GPU kernel as a float: the same value as a float64 / float32 tensor
+                lr = per_group[run.group]["lr"].to(param.device, torch.float64 if param.device.type == "cpu" else torch.float32)
                 if param.device.type == "meta":  # a planned step (fs.analysis.plan): the tensor-lr
                     lr = 0.0  # overload has no meta kernel; the float one does, with the same shapes
                 pieces = [cut(t, run) for t in (param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq)]
