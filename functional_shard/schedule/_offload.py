@@ -101,6 +101,7 @@ class stream_offload_copies(Pass):
     after what it copies. Moves no collective; the bits do not change (copies are exact)."""
 
     def __call__(self, gm: fx.GraphModule, context: PassContext) -> fx.GraphModule:
+        _norms_on_the_device(gm)
         for node in offload_copies(gm):
             if is_to_host(node):
                 source = node.args[0]
@@ -108,9 +109,40 @@ class stream_offload_copies(Pass):
                     after = _last_write(gm, source, node)
                     if after.next is not node:
                         after.append(node)
+                    for reader in list(source.users):  # the gradient's norm, read before it left
+                        if reader.meta.get("offload_norm_of") == node.name and node.next is not reader:
+                            node.append(reader)
             elif node.users:
                 _before_first_reader(gm, node)
         return gm
+
+
+_VECTOR_NORM = torch.ops.aten.linalg_vector_norm.default
+
+
+def _copy_dtype(copy: fx.Node):
+    return copy.args[3] if len(copy.args) > 3 else copy.kwargs.get("dtype")
+
+
+def _norms_on_the_device(gm: fx.GraphModule) -> None:
+    """A gradient's norm (its part of the global gradient norm) read from the gradient on the
+    device, right after it was copied to the host, instead of from its copy back for the
+    update: the same values through the same operator (the same bits), and the copy back then
+    waits for the buffer's own update; else every gradient comes back to the device for the
+    norm before the first update (on a 1.1B Llama, 4.4 GB at the update's peak)."""
+    for copy in offload_copies(gm):
+        source = copy.args[0]
+        if is_to_host(copy) or not (isinstance(source, fx.Node) and source.target is copy.target and is_to_host(source)):
+            continue
+        gradient = source.args[0]
+        same = lambda d, of: d is None or d == getattr(of.meta.get("val"), "dtype", None)  # noqa: E731
+        if not isinstance(gradient, fx.Node) or not same(_copy_dtype(source), gradient) or not same(_copy_dtype(copy), source):
+            continue
+        for reader in list(copy.users):
+            if reader.target is _VECTOR_NORM and reader.args[0] is copy:
+                reader.replace_input_with(copy, gradient)
+                reader.meta["offload_norm_of"] = source.name  # it follows its copy to the host
+                source.append(reader)
 
 
 def _before_first_reader(gm: fx.GraphModule, copy: fx.Node) -> None:
