@@ -42,8 +42,7 @@ from ._replay import culprit_frame, make_fx_with_sources, replay
 from ._retained import Retained
 from .schedule._graph import copy_graph, microbatch_label
 from .schedule._causal import causal_masks
-from .schedule._offload import offload_copies, stream_offload_copies
-from .schedule._lower import drop_collectives, free_sent_and_received, gather_casts_in_place, gradients_in_place, runnable
+from .schedule._lower import lower_for_mesh, runnable  # noqa: F401 - lower_for_mesh: re-exported (analysis._depth, tests)
 
 __all__ = ["CacheKey", "CompiledStep", "FlatIO", "Jit", "TraceError", "agree"]
 
@@ -292,28 +291,6 @@ def scheduled_step(
     )
     compiled.release = retained.own(compiled, (gm, scheduled, run))
     return compiled
-
-
-def lower_for_mesh(gm: fx.GraphModule, mesh, *, in_place: bool = False) -> None:
-    """What runs after the passes, which must not see it (schedule/_lower.py: they move
-    collectives, and these nodes are tied to where a collective sits): with one rank, no
-    collective at all (each is the identity); else mixed-precision casts made in their
-    gather's slot, and the buffers a reduce-scatter sent and received freed at fixed points
-    of the graph; then, with `in_place` (`Schedule(gradients_in_place=True)`, experimental),
-    gradients computed straight into their unit's flat buffer."""
-    if mesh.world_size == 1:
-        if drop_collectives(gm) and offload_copies(gm):
-            # a gradient's copy to the host read its reduce-scatter's wait, which sat late: it
-            # now reads the gradient itself, and goes right after it (CPU offload)
-            stream_offload_copies()(gm, None)
-            gm.recompile()
-    else:
-        gather_casts_in_place(gm, mesh.shard_index)
-        free_sent_and_received(gm)
-    if in_place:
-        from .schedule._liveness import memory_timeline
-
-        gradients_in_place(gm, memory_timeline)
 
 
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:

@@ -2,7 +2,7 @@
 
 The passes move collectives and find units by their all-gathers; these rewrites tie nodes to
 where a collective (or a gradient buffer) now sits, so they run once, last
-(`_jit.lower_for_mesh`), on a copy the passes never get back (`CompiledStep.scheduled` keeps
+(`lower_for_mesh`, at the end), on a copy the passes never get back (`CompiledStep.scheduled` keeps
 the graph before them). Each keeps the eager reference's bits: it changes where results are
 written and when memory is freed, never what is computed.
 """
@@ -17,6 +17,7 @@ from torch import fx
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from ._offload import offload_copies, stream_offload_copies
 from ._graph import _C10D, _is_pure, _is_view, collectives, copy_graph, parameter_collectives, positions, pre_collective_cast
 
 aten = torch.ops.aten
@@ -301,3 +302,25 @@ def runnable(gm: fx.GraphModule) -> fx.GraphModule:
                 entry[node.target] = call
             node.target = entry[node.target]
     return fx.GraphModule(gm, graph)
+
+
+def lower_for_mesh(gm: fx.GraphModule, mesh, *, in_place: bool = False) -> None:
+    """What runs after the passes, which must not see it (this module: they move
+    collectives, and these nodes are tied to where a collective sits): with one rank, no
+    collective at all (each is the identity); else mixed-precision casts made in their
+    gather's slot, and the buffers a reduce-scatter sent and received freed at fixed points
+    of the graph; then, with `in_place` (`Schedule(gradients_in_place=True)`, experimental),
+    gradients computed straight into their unit's flat buffer."""
+    if mesh.world_size == 1:
+        if drop_collectives(gm) and offload_copies(gm):
+            # a gradient's copy to the host read its reduce-scatter's wait, which sat late: it
+            # now reads the gradient itself, and goes right after it (CPU offload)
+            stream_offload_copies()(gm, None)
+            gm.recompile()
+    else:
+        gather_casts_in_place(gm, mesh.shard_index)
+        free_sent_and_received(gm)
+    if in_place:
+        from ._liveness import memory_timeline
+
+        gradients_in_place(gm, memory_timeline)
