@@ -103,7 +103,8 @@ def adamw(
             the parameters, gradients and moments, the update's cost on a GPU (where the
             single-tensor form reads and writes the 1.1B parameters of a Llama ~10 times a
             step). The bits are then those of `torch.optim.AdamW(fused=True)` (bit for bit on
-            CPU, tested), not those of the default kernel: it computes the bias corrections
+            CPU and on an H200, tests/test_optim.py and tests/test_cuda.py), not those of the
+            default kernel: it computes the bias corrections
             in float32 from the step count. Real floating params only (float32, bfloat16,
             float16); the traced step replays it like any other operation.
 
