@@ -184,14 +184,6 @@ def trace_figures(trace: dict) -> dict:
     how much of it ran while a kernel ran (overlap), and the host's synchronizations (calls that
     wait for the device: each one stops the host from running ahead)."""
 
-    def union(intervals):
-        total, end = 0.0, float("-inf")
-        for a, b in sorted(intervals):
-            if b > end:
-                total += b - max(a, end)
-                end = b
-        return total
-
     def merged(intervals):
         out = []
         for a, b in sorted(intervals):
@@ -200,6 +192,9 @@ def trace_figures(trace: dict) -> dict:
             else:
                 out.append([a, b])
         return out
+
+    def union(intervals):
+        return sum(b - a for a, b in merged(intervals))
 
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
     kernels = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "kernel"]
@@ -219,7 +214,7 @@ def trace_figures(trace: dict) -> dict:
     streams = sorted({e.get("args", {}).get("stream") for e in events if e.get("cat") in ("kernel", "gpu_memcpy")} - {None})
     return {
         "span_ms": span / 1e3, "device_busy_ms": union(device) / 1e3, "device_idle_ms": (span - union(device)) / 1e3,
-        "kernel_busy_ms": union(kernels) / 1e3, "kernels": len(kernels),
+        "kernel_busy_ms": sum(b - a for a, b in busy_kernels) / 1e3, "kernels": len(kernels),
         "h2d_ms": sum(b - a for a, b in h2d) / 1e3, "h2d_overlapped_ms": sum(overlap(a, b) for a, b in h2d) / 1e3,
         "d2h_ms": sum(b - a for a, b in d2h) / 1e3, "d2h_overlapped_ms": sum(overlap(a, b) for a, b in d2h) / 1e3,
         "copies": len(copies), "host_syncs": len(syncs), "host_sync_ms": sum(e["dur"] for e in syncs) / 1e3,

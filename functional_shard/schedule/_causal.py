@@ -21,8 +21,6 @@ eager step uses it too. `fs.Schedule(causal_masks=False)` keeps every mask as tr
 
 from __future__ import annotations
 
-import operator
-
 import torch
 from torch import fx
 
@@ -51,7 +49,7 @@ def causal_masks(gm: fx.GraphModule) -> int:
     causal pattern to `is_causal=True` without a mask (see the module docstring); remove what
     computed the mask. Returns how many nodes were rewritten; `gm.meta["causal_masks"]` says,
     for each masked attention node, what was done and why (`step.explain()` prints it)."""
-    verdicts: dict[fx.Node, str] = {}
+    verdicts: dict[fx.Node, tuple[str, set[fx.Node]]] = {}  # mask -> (verdict, the nodes that make it)
     report: list[str] = []
     rewritten = 0
     for node in list(gm.graph.nodes):
@@ -64,23 +62,19 @@ def causal_masks(gm: fx.GraphModule) -> int:
             report.append(f"{node.name}: mask kept (is_causal or dropout already set)")
             continue
         if mask not in verdicts:
-            verdicts[mask] = _causal_constant(gm, mask, node, _query_key_lengths(node))
-        if verdicts[mask] == "causal":
+            made: set[fx.Node] = set()
+            verdicts[mask] = _causal_constant(gm, mask, node, _query_key_lengths(node), made), made
+        if verdicts[mask][0] == "causal":
             _set_argument(node, _MASKED[node.target], None)
             _set_argument(node, "is_causal", True)
             rewritten += 1
             report.append(f"{node.name}: constant causal mask {mask.name} -> is_causal=True")
         else:
-            report.append(f"{node.name}: mask {mask.name} kept ({verdicts[mask]})")
+            report.append(f"{node.name}: mask {mask.name} kept ({verdicts[mask][0]})")
     if report:
         gm.meta["causal_masks"] = tuple(report)
     if rewritten:
-        masks = [m for m, verdict in verdicts.items() if verdict == "causal"]
-        made = _ancestors(masks)
-        made |= {n for n in gm.graph.nodes if _is_view(n) and n.args and n.args[0] in made}
-        writers = [n for n in gm.graph.nodes if n.op == "call_function" and not n.users and not _is_pure(n)
-                   and any(w in made for w in written_inputs(n))]  # fmt: skip
-        _erase_unused(gm, masks + writers)
+        _erase_unused(gm, set().union(*(made for verdict, made in verdicts.values() if verdict == "causal")))
         gm.graph.lint()
         gm.recompile()
     return rewritten
@@ -121,13 +115,15 @@ def _query_key_lengths(node: fx.Node) -> tuple[int, int] | None:
         return None
 
 
-def _causal_constant(gm: fx.GraphModule, mask: fx.Node, reader: fx.Node, lengths: tuple[int, int] | None) -> str:
+def _causal_constant(
+    gm: fx.GraphModule, mask: fx.Node, reader: fx.Node, lengths: tuple[int, int] | None, made: set[fx.Node]
+) -> str:
     """"causal" when `mask` reads no input of the step, nothing else writes what it is made of
     before `reader` reads it, and it evaluates to the causal pattern for square attention of
-    `lengths`; else why not."""
+    `lengths`; else why not. Fills `made` with the nodes that make the mask (what it reads, and
+    what writes into that), as far as it looked."""
     if lengths is None or lengths[0] != lengths[1]:
         return f"attention of {lengths}, not square with static lengths"
-    made: set[fx.Node] = set()  # the nodes that make the mask: what it reads, and what writes that
     stack = [mask]
     while True:
         while stack:
@@ -193,28 +189,16 @@ def _evaluate(gm: fx.GraphModule, target: fx.Node, nodes: set[fx.Node]):
     return env[target]
 
 
-def _ancestors(roots: list[fx.Node]) -> set[fx.Node]:
-    found, stack = set(), list(roots)
-    while stack:
-        node = stack.pop()
-        if node not in found:
-            found.add(node)
-            stack.extend(node.all_input_nodes)
-    return found
-
-
-def _erase_unused(gm: fx.GraphModule, roots: list[fx.Node]) -> None:
-    """Erase `roots` and what only they read, where nothing reads them any more (an in-place
-    write into the mask's own buffers goes with them: it has no reader left either)."""
-    stack, erased = list(roots), set()
-    while stack:
-        node = stack.pop()
-        if node in erased or node.users or node.op not in ("call_function", "get_attr"):
-            continue
-        if node.op == "call_function" and not (_is_pure(node) or node.target is operator.getitem):
-            if any(w.op == "placeholder" for w in written_inputs(node)):
-                continue
-        inputs = node.all_input_nodes
-        gm.graph.erase_node(node)
-        erased.add(node)
-        stack.extend(inputs)
+def _erase_unused(gm: fx.GraphModule, made: set[fx.Node]) -> None:
+    """Erase the nodes of `made` (rewritten masks and what made them) that nothing else needs:
+    a node stays if a node outside the erased ones reads it, and an in-place write stays with
+    what it writes (a buffer another node also reads keeps its writes)."""
+    dead = set(made)
+    while True:
+        alive = {n for n in dead if any(u not in dead for u in n.users) or any(w not in dead for w in written_inputs(n))}
+        if not alive:
+            break
+        dead -= alive
+    for node in reversed(list(gm.graph.nodes)):  # every reader of a node comes after it
+        if node in dead:
+            gm.graph.erase_node(node)
