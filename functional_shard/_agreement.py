@@ -30,11 +30,9 @@ deletion of the previous entry), and the heartbeat's one store write per rank ev
 
 from __future__ import annotations
 
-import atexit
 import datetime
 import hashlib
 import json
-import threading
 import time
 import weakref
 from typing import Any, Callable, NamedTuple, Sequence
@@ -43,13 +41,13 @@ import torch
 import torch.distributed as dist
 
 from ._failures import MeshError, PeerError
+from ._heartbeat import Heartbeat, beat_key as _beat_key, collective_counts, decode_beat as _decode_beat
 
-__all__ = ["Agreement", "Entry", "Heartbeat", "stop_heartbeats"]
+__all__ = ["Agreement", "Entry"]
 
 PREFIX = "functional_shard/agree"
-# Seconds between a rank's heartbeats (and a waiting rank's looks at the missing ranks), and
-# without a changed heartbeat before a missing rank is met in an all-gather instead.
-HEARTBEAT_PERIOD = 0.5
+# Seconds without a changed heartbeat (`_heartbeat`: one every 0.5 s) before a missing
+# rank is met in an all-gather instead.
 SILENT_AFTER = 3.0
 # How a mark (`_Mark`), put by a waiting rank in place of a missing rank's entry, begins.
 _MARK = "<functional_shard agreement mark: "
@@ -93,26 +91,8 @@ class Entry(NamedTuple):
         return f"is in {self.operation} (its functional_shard call #{self.call}{times})"
 
 
-def collective_counts(groups: dict[str, Callable[[], Any]]) -> dict[str, int]:
-    """Group name -> collectives this rank has issued on it (gloo and NCCL count them as they are issued)."""
-    counts = {}
-    for name, ref in groups.items():
-        group = ref()
-        if group is None:
-            continue
-        try:
-            counts[name] = int(group._get_sequence_number_for_group())
-        except (RuntimeError, AttributeError):
-            pass  # a backend that does not count
-    return counts
-
-
 def _store_key(call: int, rank: int) -> str:
     return f"{PREFIX}/{call}/{rank}"
-
-
-def _beat_key(rank: int) -> str:
-    return f"{PREFIX}/beat/{rank}"
 
 
 def _group_timeout(group) -> float:
@@ -136,6 +116,10 @@ class _Watch:
         self.where = where
         self.start = time.monotonic()
         self.heard: dict[int, tuple[str, float]] = {}  # rank -> (its last heartbeat, when it changed)
+
+    def look(self, store) -> None:
+        """`_look_at_missing` (the heartbeat thread calls it every beat while this rank waits)."""
+        _look_at_missing(store, self)
 
 
 class Agreement:
@@ -419,109 +403,3 @@ def _different_operations(entries: list[Entry], where: str) -> MeshError:
 
 def _text(value: str | bytes) -> str:
     return value.decode(errors="replace") if isinstance(value, bytes) else value
-
-
-def _decode_beat(text: str) -> dict:
-    try:
-        beat = json.loads(text) if text else {}
-    except ValueError:
-        return {}
-    return beat if isinstance(beat, dict) else {}
-
-
-# --- the heartbeat -----------------------------------------------------------------------------
-
-
-class Heartbeat(threading.Thread):
-    """A thread that publishes this rank's collective counts to the store every 0.5 s, so that
-    a rank waiting in an agreement can tell a rank that issued a collective of its own (its count
-    went up) from a rank that is still computing (its count did not), and a live rank from a
-    silent one. One per process and world (`ensure`); it ends with the process group
-    (`stop_heartbeats`, called by `fs.shutdown`), and at exit says that the rank exited.
-
-    It uses a store connection of its own (`store.clone()`), so a main thread waiting on the
-    store never delays it.
-    """
-
-    def __init__(self, store, rank: int, world, groups: dict[str, Callable[[], Any]]):
-        super().__init__(name="functional_shard-heartbeat", daemon=True)
-        try:
-            self._store = store.clone()
-        except (RuntimeError, AttributeError):
-            self._store = store
-        self._world = weakref.ref(world)
-        self.rank = rank
-        self._groups = dict(groups)
-        self._stopping = threading.Event()
-        self._beats = 0
-        # What this rank's main thread waits for in an agreement, if it waits (`_Watch`).
-        self.watching: _Watch | None = None
-
-    @classmethod
-    def find(cls, world) -> "Heartbeat | None":
-        """This process's running heartbeat for the world of process group `world`, if any."""
-        for thread in threading.enumerate():
-            if isinstance(thread, cls) and thread.is_alive() and not thread._stopping.is_set():
-                if thread._world() is world:
-                    return thread
-        return None
-
-    @classmethod
-    def ensure(cls, store, rank: int, world, groups: dict[str, Callable[[], Any]]) -> "Heartbeat":
-        """This process's heartbeat for the world of process group `world`, started if there
-        is none, counting `groups` too."""
-        for thread in threading.enumerate():
-            if isinstance(thread, cls) and thread.is_alive() and not thread._stopping.is_set():
-                if thread._world() is world:
-                    thread._groups.update(groups)
-                    return thread
-                thread.stop()  # a previous world's
-        heartbeat = cls(store, rank, world, groups)
-        heartbeat._publish()  # the first beat before any agreement can wait for it
-        atexit.register(heartbeat._at_exit)
-        heartbeat.start()
-        return heartbeat
-
-    def _publish(self, exited: bool = False) -> None:
-        self._beats += 1
-        beat = {"beat": self._beats, "collectives": collective_counts(self._groups), "exited": exited}
-        self._store.set(_beat_key(self.rank), json.dumps(beat))
-
-    def run(self) -> None:
-        while not self._stopping.wait(HEARTBEAT_PERIOD):
-            if not dist.is_initialized():
-                return
-            try:
-                self._publish()
-            except Exception:  # noqa: BLE001 - the store is gone: so is the world
-                return
-            watch = self.watching
-            if watch is not None:
-                try:
-                    _look_at_missing(self._store, watch)
-                except Exception:  # noqa: BLE001 - the main thread's wait still ends at its timeout
-                    pass
-
-    def stop(self) -> None:
-        """End the thread (and wait for it: it must not be inside the store at interpreter exit)."""
-        self._stopping.set()
-        if self is not threading.current_thread() and self.is_alive():
-            self.join(timeout=2 * HEARTBEAT_PERIOD + 1.0)
-        try:
-            atexit.unregister(self._at_exit)
-        except Exception:  # noqa: BLE001
-            pass
-
-    def _at_exit(self) -> None:
-        self.stop()
-        try:
-            self._publish(exited=True)  # ranks waiting for this one learn it at once
-        except Exception:  # noqa: BLE001 - the store may already be gone
-            pass
-
-
-def stop_heartbeats() -> None:
-    """Stop this process's heartbeat threads (`fs.shutdown`: the world they watched ends)."""
-    for thread in threading.enumerate():
-        if isinstance(thread, Heartbeat):
-            thread.stop()

@@ -19,7 +19,8 @@ import torch
 
 from ._layout import Layout
 from ._mesh import BaseMesh, MeshError
-from ._reference import StepError, batch_problem
+from ._microbatches import batch_problem
+from ._reference import StepError
 from ._pytree import tree_leaves, tree_paths
 from ._tree import FROZEN
 from .optim import GradientTransformation, Optimizer

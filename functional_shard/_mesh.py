@@ -19,7 +19,8 @@ import torch.distributed as dist
 import torch.distributed.nn.functional  # noqa: F401 - see below
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from ._agreement import Agreement, digest as _digest, stop_heartbeats  # noqa: F401 - _digest: _jit reads it here
+from ._agreement import Agreement, digest as _digest  # noqa: F401 - _digest: _jit reads it here
+from ._heartbeat import stop_heartbeats
 from ._basemesh import (  # noqa: F401 - re-exported: the mesh's public home
     AXIS_NAMES,
     DATA_PARALLEL_AXES,

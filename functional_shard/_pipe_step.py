@@ -32,7 +32,8 @@ from ._pipe_run import PointToPoint, Recorder, run_actions
 from ._placed import place, resolve_placements
 from ._pytree import tree_flatten, tree_map, tree_paths
 from .initialize import shard_from
-from ._reference import StepError, StepOutput, split_microbatches
+from ._microbatches import split_microbatches
+from ._reference import StepError, StepOutput
 from ._shard import Sharded, _check_shards, shard_leaves
 from ._stages import Cut, assign_stages, cut_stages
 from ._state import StepState, _StepKey, check_not_donated

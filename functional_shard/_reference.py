@@ -36,7 +36,7 @@ from ._collectives import ReduceScatterFlat
 from ._layout import Layout
 from ._mesh import BaseMesh
 from ._offload import map_buffers, offloaded, streamed, to_device, to_host
-from ._pytree import tree_flatten, tree_map, tree_paths, tree_unflatten
+from ._microbatches import cast_inputs, split_microbatches
 from ._shard import gather_buffer, gather_full, gather_kept
 from ._losses import StepError, WeightedLoss, check_loss, split_loss
 from .optim import LeafLayout, global_norm
@@ -48,8 +48,6 @@ __all__ = [
     "Gradients",
     "StepOutput",
     "EvalOutput",
-    "split_microbatches",
-    "batch_problem",
     "gradients",
     "update",
     "evaluate",
@@ -108,48 +106,6 @@ class EvalOutput(NamedTuple):
     mean_loss: torch.Tensor  # the loss over every rank (weighted mean), 0-d float32
     loss: torch.Tensor  # this rank's loss
     aux: Any  # loss_fn's aux, or None
-
-
-def _cast_inputs(batch: Any, dtype: torch.dtype | None) -> Any:
-    if dtype is None:
-        return batch
-    return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, batch)
-
-
-def batch_problem(batch: Any, k: int, canonical: Any = None) -> str | None:
-    """Why `batch` cannot be cut along the leading dimension of every tensor leaf into `k`
-    equal micro-batches (a layout-invariant step's chunks, with `canonical`), or None."""
-    leaves = tree_flatten(batch)[0]
-    for index, leaf in enumerate(leaves):
-        if isinstance(leaf, torch.Tensor) and (leaf.ndim == 0 or leaf.shape[0] % k):
-            path, shape = tree_paths(batch)[index], list(leaf.shape)
-            if canonical is None:
-                return (
-                    f"microbatches={k} must divide the leading dimension of every tensor of the batch; batch leaf "
-                    f"{path!r} has shape {shape}: make its leading dimension a multiple of {k}"
-                )
-            g, d = canonical.chunks, canonical.degree
-            return (
-                f"canonical_chunks={g} at {d} data-parallel ranks: each rank computes its {k} chunks of the global "
-                f"batch, cut along the leading dimension; batch leaf {path!r} has shape {shape}, whose leading "
-                f"dimension {shape[0] if shape else 0} is not a multiple of {k}. Give data-parallel rank r rows "
-                f"[r*B/{d}, (r+1)*B/{d}) of a global batch of B rows, B a multiple of {g} (fs.data.local_batch does this)"
-            )
-    return None
-
-
-def split_microbatches(batch: Any, k: int, dtype: torch.dtype | None = None, canonical: Any = None) -> list[Any]:
-    """`batch` cut along the leading dimension of every tensor leaf into `k` equal parts (its
-    floating tensors cast to `dtype` when given); StepError (`batch_problem`) if it does not cut."""
-    batch = _cast_inputs(batch, dtype)
-    if k == 1 and canonical is None:
-        return [batch]
-    problem = batch_problem(batch, k, canonical)
-    if problem is not None:
-        raise StepError(problem)
-    leaves, structure = tree_flatten(batch)
-    parts = [leaf.chunk(k) if isinstance(leaf, torch.Tensor) else [leaf] * k for leaf in leaves]
-    return [tree_unflatten(structure, [p[i] for p in parts]) for i in range(k)]
 
 
 def _gather_frozen(layout: Layout, shards, mesh, fn: StepFunction | None = None) -> dict[int, torch.Tensor]:
@@ -481,7 +437,7 @@ def evaluate(fn: StepFunction, layout: Layout, shards, local, batch) -> EvalOutp
         if fn.canonical is not None:
             return _evaluate_chunks(fn, layout, leaves, local, batch)
         with _tracing.graph_semantics():
-            out = fn.loss_fn(layout.assemble(leaves, local), _cast_inputs(batch, fn.input_dtype))
+            out = fn.loss_fn(layout.assemble(leaves, local), cast_inputs(batch, fn.input_dtype))
     _, (loss, weight, *aux) = _objective(fn, out, None)
     with _tracing.phase("update"):
         if isinstance(weight, torch.Tensor):
