@@ -41,7 +41,7 @@ SHAPES = {
 
 
 class Row(NamedTuple):
-    """One published torchtitan run (FSDP only, no Float8, no torch.compile)."""
+    """One published torchtitan run (FSDP only, no Float8)."""
 
     name: str  # short label
     source: str  # where it is published
@@ -53,6 +53,8 @@ class Row(NamedTuple):
     remat: str  # "none", "full" or "selective op"
     tps: float  # published tokens per second per GPU
     memory_gib: float | None  # published peak memory per GPU (max reserved), GiB; None: not published
+    compile: bool = False  # torch.compile of each TransformerBlock (torchtitan's apply_compile): priced with the
+    # blocks' memory-bound chains fused (`simulate(..., fused="blocks")`, analysis/_fusion.py)
 
 
 TABLE1 = "torchtitan docs/performance.md (Dec 2024), Table 1"
@@ -60,6 +62,9 @@ ROWS = (
     Row("8b-h100-8", TABLE1, "llama3_8b", "h100", 8, 2, 8192, "selective op", 5762, 82.4),
     Row("8b-h100-128", "torchtitan docs/performance.md (Dec 2024), Table 3", "llama3_8b", "h100", 128, 2, 8192,
         "selective op", 5605, 67.0),
+    Row("8b-h100-8-compile", TABLE1, "llama3_8b", "h100", 8, 2, 8192, "selective op", 6667, 77.0, compile=True),
+    Row("8b-h100-128-compile", "torchtitan docs/performance.md (Dec 2024), Table 3", "llama3_8b", "h100", 128, 2, 8192,
+        "selective op", 6514, 62.0, compile=True),
     Row("l3-8b-a100-64", "torchtitan docs/performance.md (2024), Llama 3 table", "llama3_8b", "a100", 64, 1, 8192,
         "selective op", 2973, None),
     Row("l2-13b-a100-64-none", "torchtitan docs/performance.md (2024), Llama 2 table", "llama2_13b", "a100", 64, 2, 4096,
@@ -118,7 +123,7 @@ def plan_row(row: Row):
         llama_loss(apply_fn), params, (ids, ids), mesh=fs.analysis.AbstractMesh({"fsdp": row.world}),
         optimizer=fs.optim.adamw(lr=3e-4, weight_decay=0.1),
         precision=fs.Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
-        schedule=fs.Schedule(remat=remat_of(row.remat), reduce_scatters_in_flight=1),
+        schedule=fs.Schedule(remat=remat_of(row.remat), reduce_scatters_in_flight=1, compile=row.compile),
     )
     return analysis, compiled, time.perf_counter() - start
 
@@ -143,7 +148,7 @@ class Prediction(NamedTuple):
 
 def predict(row: Row, analysis, compiled, efficiency=None, h100=None) -> Prediction:
     machine = machine_of(row, efficiency, h100)
-    sim = fs.analysis.simulate(compiled, machine)
+    sim = fs.analysis.simulate(compiled, machine, fused="blocks" if row.compile else False)
     peak = (h100 or fs.analysis.H100_SXM_HBM2E if row.gpu == "h100" else fs.analysis.A100_SXM_80GB).dense_flops["bfloat16"]
     return Prediction(
         tps=row.batch * row.sequence / sim.step_s,
@@ -178,7 +183,7 @@ def main() -> None:
         base = fs.analysis.H100_SXM_HBM2E
         scale = args.fit_peak * 1e12 / base.dense_flops["bfloat16"]
         h100 = dataclasses.replace(base, dense_flops={k: v * scale for k, v in base.dense_flops.items()})
-        (point,) = [r for r in ROWS if r.memory_gib and r.gpu == "h100" and r.world == 8]
+        (point,) = [r for r in ROWS if r.memory_gib and r.gpu == "h100" and r.world == 8 and not r.compile]
         analysis, compiled, _ = plan_row(point)
         matmul, allocator = fit(point, analysis, compiled, h100)
         efficiency = fs.analysis.Efficiency(matmul=matmul, allocator=allocator)
@@ -189,7 +194,7 @@ def main() -> None:
         if row.name not in args.rows.split(","):
             continue
         analysis, compiled, seconds = plan_row(row)
-        if args.fit and row.memory_gib:
+        if args.fit and row.memory_gib and not row.compile:
             print(f"fit on {row.name}: matmul efficiency {{:.4f}}, allocator overhead {{:.4f}}".format(*fit(row, analysis, compiled)))
         p = predict(row, analysis, compiled, efficiency, h100)
         memory = f"{row.memory_gib:>14.1f}{p.reserved_gib:>10.1f}{100 * (p.reserved_gib / row.memory_gib - 1):>+7.1f}%" if row.memory_gib else f"{'-':>14}{p.reserved_gib:>10.1f}{'':>8}"

@@ -36,7 +36,9 @@ SCHEDULES = {
     "prefetch 0": fs.Schedule(prefetch=0),
     "no reshard": fs.Schedule(reshard_after_forward=False),
     "prefetch 2": fs.Schedule(prefetch=2),
+    "compile": fs.Schedule(compile=True),  # priced fused (analysis/_fusion.py); not in the default list
 }
+DEFAULT_SCHEDULES = ("default", "prefetch 0", "no reshard", "prefetch 2")
 BATCH = {"mlp": 16, "gpt": 4, "llama": 4}
 
 
@@ -206,6 +208,8 @@ def main() -> None:
                         help="where --timeline writes its charts (default docs/)")
     parser.add_argument("--steps", type=int, default=9)
     parser.add_argument("--worlds", default="2,4")
+    parser.add_argument("--models", default="mlp,gpt,llama")
+    parser.add_argument("--schedules", default=",".join(DEFAULT_SCHEDULES), help=f"comma list of {list(SCHEDULES)}")
     args = parser.parse_args()
     if args.plan:
         for r in plan_7b():
@@ -220,8 +224,8 @@ def main() -> None:
         print(f"GPT step at 2 ranks: {r['plain_s'] * 1e3:.1f} ms plain, {r['marked_s'] * 1e3:.1f} ms with {r['marks']} marks "
               f"(overhead {r['overhead'] * 100:+.1f}%), predicted {r['predicted_s'] * 1e3:.1f} ms; charts in {args.out}")
         return
-    models = ["mlp"] if args.quick else ["mlp", "gpt", "llama"]
-    schedules = ["default"] if args.quick else list(SCHEDULES)
+    models = ["mlp"] if args.quick else args.models.split(",")
+    schedules = ["default"] if args.quick else args.schedules.split(",")
     worlds = [2] if args.quick else [int(w) for w in args.worlds.split(",")]
     rows = []
     load_before = os.getloadavg()[0]

@@ -273,6 +273,7 @@ def scheduled_step(
         # rank that would pair a tensor-parallel collective with another axis's is named.
         sequence = [f"{kinds[e.event]} of {e.buffer or 'a value'} over {e.axis or '?'} ({e.nbytes} bytes)" for e in issued]
         run = torch.compile(gm, backend="inductor", fullgraph=True, dynamic=False) if schedule.compile else runnable(gm)
+        gm.meta["inductor"] = schedule.compile  # how the analysis prices it (analysis/_fusion.py)
     except BaseException:
         retained.forget()
         raise

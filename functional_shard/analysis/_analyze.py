@@ -12,6 +12,7 @@ from typing import NamedTuple
 from .. import schedule as schedule_lib
 from ..schedule._axes import GroupAxis, collective_axis
 from ._costs import node_cost
+from ._fusion import compiled_intermediates
 from ._memory import MemoryEstimate, estimate_memory
 from ._labels import serving_unit
 from ._regions import NodeRoles, node_roles
@@ -159,7 +160,7 @@ def analyze(compiled, *, roles: NodeRoles | None = None, mesh=None) -> Analysis:
         all_gather_bytes=sum(c.nbytes for c in collectives if c.kind == "all_gather"),
         reduce_scatter_bytes=sum(c.nbytes for c in collectives if c.kind == "reduce_scatter"),
         all_reduce_bytes=sum(c.nbytes for c in collectives if c.kind == "all_reduce"),
-        memory=estimate_memory(gm, roles, compiled.io),
+        memory=estimate_memory(gm, roles, compiled.io, compiled_intermediates(gm)),
         num_nodes=len(gm.graph.nodes),
         ops=sum(sum(costs[u][6:]) for u in costs),
     )

@@ -69,7 +69,7 @@ class MemoryEstimate(NamedTuple):
     host_resident: int = 0  # ... of which the step's inputs (offloaded shards and optimizer state)
 
 
-def estimate_memory(gm: fx.GraphModule, roles: NodeRoles, io) -> MemoryEstimate:
+def estimate_memory(gm: fx.GraphModule, roles: NodeRoles, io, unmaterialized: frozenset = frozenset()) -> MemoryEstimate:
     """Peak bytes per rank of the scheduled step `gm`, broken down (see the module docstring).
 
     Arguments:
@@ -77,9 +77,13 @@ def estimate_memory(gm: fx.GraphModule, roles: NodeRoles, io) -> MemoryEstimate:
         roles: `node_roles(gm)`.
         io: the `CompiledStep.io` (`FlatIO`): which inputs and outputs are shards, optimizer
             state, scalars and batch.
+        unmaterialized: nodes whose outputs are never allocated (inside a kernel `torch.compile`
+            fuses: `analysis._fusion`).
     """
     nodes = list(gm.graph.nodes)
     storage_of, first, last, size, root = lifetimes(nodes)
+    if unmaterialized:
+        first, last, size = ({k: v for k, v in d.items() if root[k] not in unmaterialized} for d in (first, last, size))
     host = host_storages(nodes, storage_of, root)
     host_timeline = timeline_of(len(nodes), *({k: v for k, v in d.items() if k in host} for d in (first, last, size)))
     host_inputs = sum(size[k] for k in host if root[k].op == "placeholder")

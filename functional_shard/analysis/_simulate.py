@@ -40,6 +40,7 @@ from torch import fx
 from .. import schedule as schedule_lib
 from ..schedule._remat import written_inputs
 from ._costs import COLLECTIVE_OPS, node_cost, tensors_of
+from ._fusion import block_nodes, fuse, runs_compiled
 from ._labels import name_collective
 from ._machine import Machine
 from ._memory import MemoryEstimate, estimate_memory
@@ -66,7 +67,9 @@ class Simulation(NamedTuple):
         return Profile((self.timeline,), (self.step_s * 1e6,), self.step_s, self.step_s, 0.0, 0)
 
 
-def simulate(compiled, machine: Machine, *, world_size: int | None = None, mesh=None) -> Simulation:
+def simulate(
+    compiled, machine: Machine, *, world_size: int | None = None, mesh=None, fused: bool | str | None = None
+) -> Simulation:
     """Predict the step time, timeline and peak memory of a traced step on `machine`.
 
     Arguments:
@@ -77,6 +80,10 @@ def simulate(compiled, machine: Machine, *, world_size: int | None = None, mesh=
             count of the step's layout.
         mesh: the `fs.Mesh` the step runs on, to name each collective's axis when its group is
             torch's (optional: an `AbstractMesh`'s graph names its axes itself).
+        fused: price the graph as `torch.compile` runs it (`analysis._fusion`: memory-bound
+            chains fused into one kernel each, their intermediates never allocated); default:
+            whether the step runs compiled (`Schedule(compile=True)`). `"blocks"`: only the
+            blocks' nodes compiled, as torchtitan compiles each TransformerBlock alone.
     """
     gm = compiled.graph_module
     roles = node_roles(gm)
@@ -93,6 +100,11 @@ def simulate(compiled, machine: Machine, *, world_size: int | None = None, mesh=
     events: list[TraceEvent] = []
     spans: dict[str, list[float]] = {}
     costs = {n: node_cost(n) for n in gm.graph.nodes if n.op == "call_function" and n.target not in COLLECTIVE_OPS}
+    if fused not in (None, True, False, "blocks"):
+        raise ValueError(f"simulate(fused={fused!r}): expected None, True, False or 'blocks'")
+    compiled_nodes = block_nodes(gm, roles) if fused == "blocks" else None
+    fusion = fuse(gm, costs, compiled_nodes) if (runs_compiled(gm) if fused is None else fused) else None
+    priced = fusion.costs if fusion is not None else costs  # what runs: a fused kernel's cost on its last node
     touches = sum(len(n.all_input_nodes) + 1 for n in gm.graph.nodes)
     recency = _Recency(machine.cache_bytes, 2 * touches)
     for node in gm.graph.nodes:  # the step before: when the state it hands on was last touched
@@ -120,8 +132,8 @@ def simulate(compiled, machine: Machine, *, world_size: int | None = None, mesh=
                 events.append(TraceEvent(f"wait {name.label}", "wait", COMPUTE, t * 1e6, blocked * 1e6, name.unit, c.phase))
             exposed += blocked
             t += blocked
-        elif node in costs:
-            cost = costs[node]
+        elif node in priced:
+            cost = priced[node]
             seconds = machine.compute_seconds(
                 cost.flops, cost.bytes, view=cost.kind == "view", kind=cost.kind, numel=cost.numel, cached=cached,
                 dtype=cost.dtype, attention=cost.attention, causal=cost.causal,
@@ -136,7 +148,7 @@ def simulate(compiled, machine: Machine, *, world_size: int | None = None, mesh=
             compute_s += seconds
     for phase, (start, end) in spans.items():
         events.append(TraceEvent(phase, "phase", COMPUTE, start * 1e6, (end - start) * 1e6, "", phase))
-    memory = estimate_memory(gm, roles, compiled.io)
+    memory = estimate_memory(gm, roles, compiled.io, fusion.unmaterialized if fusion else frozenset())
     return Simulation(
         step_s=t,
         compute_s=compute_s,
