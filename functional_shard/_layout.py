@@ -163,6 +163,17 @@ class Layout:
             return frozenset()
         return frozenset(b.name for b in self.buffers if all(self.placements[i] is None for i in b.leaves))
 
+    def eager_bytes(self, microbatches: int = 1, accumulate: str = "sharded", keep: bool = False) -> tuple[int, int]:
+        """(gathered, reduce-scattered) bytes the eager reference moves per step: frozen buffers
+        gathered once, trainable ones once per micro-batch (ZeRO-1, `keep`: trainable ones once,
+        after the update, and frozen ones never), reduce-scattered once per micro-batch
+        ("sharded") or once ("full")."""
+        frozen = sum(b.nbytes for b in self.buffers if not b.trainable)
+        trainable = sum(b.nbytes for b in self.buffers if b.trainable)
+        scattered = sum(b.reduce_nbytes for b in self.buffers if b.trainable)
+        gathered = trainable if keep else frozen + microbatches * trainable
+        return gathered, scattered * (microbatches if accumulate == "sharded" else 1)
+
     def describe_leaf(self, index: int) -> str:
         shape = list(self.shapes[index])
         return f"leaf {self.paths[index]!r} (shape {shape}, {str(self.dtypes[index]).removeprefix('torch.')})"

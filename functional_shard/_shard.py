@@ -67,6 +67,10 @@ class Sharded:
         """Buffer name -> this rank's shard."""
         return {spec.name: s for spec, s in zip(self.layout.buffers, self.shards)}
 
+    def trainable(self) -> dict[str, torch.Tensor]:
+        """Buffer name -> this rank's shard, of the trainable buffers (what an optimizer holds state for)."""
+        return {spec.name: s for spec, s in zip(self.layout.buffers, self.shards) if spec.trainable}
+
     def replace(self, shards=None, local=None) -> "Sharded":
         """A copy with other shards and/or local leaves (same layout and mesh)."""
         return Sharded(

@@ -206,7 +206,7 @@ class ShardedStep:
                 elif values == "check":
                     check_same_values(full_layout, leaves, self.mesh)
                 sharded = shard_leaves(layout, [piece.detach() for piece in pieces], self.mesh)
-            opt_state = self.optimizer.init(_trainable(sharded), leaves=LeafLayout.of_shards(layout, self.mesh.shard_index))
+            opt_state = self.optimizer.init(sharded.trainable(), leaves=LeafLayout.of_shards(layout, self.mesh.shard_index))
         loss_scale = self._fn.loss_scale.init() if self._fn.loss_scale is not None else None
         state = StepState(sharded, opt_state, loss_scale, torch.tensor(seed, dtype=torch.int64), 0, self._key)
         if self.schedule.offload is not None:
@@ -236,7 +236,7 @@ class ShardedStep:
         local = [torch.empty(leaves[i].shape, dtype=leaves[i].dtype, device="meta") for i in layout.local]
         sharded = Sharded(layout, self.mesh, shards, local)
         loss_scale = self._fn.loss_scale.init() if self._fn.loss_scale is not None else None
-        opt_state = self.optimizer.init(_trainable(sharded), leaves=LeafLayout.of_shards(layout, self.mesh.shard_index))
+        opt_state = self.optimizer.init(sharded.trainable(), leaves=LeafLayout.of_shards(layout, self.mesh.shard_index))
         state = StepState(sharded, opt_state, loss_scale, torch.tensor(0), 0, self._key)
         if self._fn.keep:  # ZeRO-1: the full buffers, as meta tensors
             state = state.replace(gathered=tuple(torch.empty(spec.padded_numel, dtype=spec.gather_dtype, device="meta") for spec in layout.buffers))
@@ -278,7 +278,7 @@ class ShardedStep:
                 agree(self.mesh, "a training step", facts)
                 with torch.no_grad():
                     out = self._train(sharded.layout, sharded.shards, rest, batch)
-                moved = _eager_bytes(sharded.layout, self.microbatches, self._fn.accumulate, self._fn.keep)
+                moved = sharded.layout.eager_bytes(self.microbatches, self._fn.accumulate, self._fn.keep)
             else:
                 out, compiled = self._jit.run(sharded.layout, sharded.shards, rest, batch, facts)
                 moved = compiled.all_gather_bytes, compiled.reduce_scatter_bytes
@@ -435,7 +435,7 @@ class ShardedStep:
             )
         shards = [grads.get(spec.name, torch.zeros_like(s)) for spec, s in zip(sharded.layout.buffers, sharded.shards)]
         grads_sharded = sharded.replace(shards=shards, local=[torch.zeros_like(t) for t in sharded.local])
-        return grads_sharded, self._metrics(mean_loss, loss, aux, *_eager_bytes(sharded.layout, self.microbatches, self._fn.accumulate))
+        return grads_sharded, self._metrics(mean_loss, loss, aux, *sharded.layout.eager_bytes(self.microbatches, self._fn.accumulate))
 
     # --- what the jit did ----------------------------------------------------------------------
 
@@ -493,17 +493,3 @@ class ShardedStep:
             raise StepError(f"no traced {program} has run yet: call it once (schedule.trace must be True)")
         return jit.last
 
-
-def _eager_bytes(layout: Layout, microbatches: int = 1, accumulate: str = "sharded", keep: bool = False) -> tuple[int, int]:
-    """Bytes the eager reference moves: frozen buffers gathered once, trainable ones once per
-    micro-batch (ZeRO-1, `keep`: trainable ones once, after the update, and frozen ones never),
-    reduce-scattered once per micro-batch ("sharded") or once ("full")."""
-    frozen = sum(b.nbytes for b in layout.buffers if not b.trainable)
-    trainable = sum(b.nbytes for b in layout.buffers if b.trainable)
-    scattered = sum(b.reduce_nbytes for b in layout.buffers if b.trainable)
-    gathered = trainable if keep else frozen + microbatches * trainable
-    return gathered, scattered * (microbatches if accumulate == "sharded" else 1)
-
-
-def _trainable(sharded: Sharded) -> dict[str, torch.Tensor]:
-    return {spec.name: s for spec, s in zip(sharded.layout.buffers, sharded.shards) if spec.trainable}
