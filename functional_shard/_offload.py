@@ -12,7 +12,9 @@ schedule's passes place and the analyses see:
   before unit i computes); the gradient of that copy is the copy back, so each reduced
   gradient shard goes to the host as soon as its reduce-scatter is waited;
 - the update, `update="device"` (default): each offloaded buffer's gradient shard, parameter
-  shard and optimizer state are copied to the device, updated there, and copied back; the pass
+  shard and optimizer state are copied to the device, updated there, and copied back (with
+  `donate=True` into the state's own host buffers, `offload_copy_into`: no second host copy of
+  the state; else into new ones); the pass
   `stream_offload_copies` moves every copy to the device right before its first reader and every
   copy to the host right after its source, so one buffer's state is on the device at a time.
   The arithmetic is the default step's, on the same device: the same bits.
@@ -35,7 +37,10 @@ from torch.library import custom_op
 
 from ._pytree import NAMESPACE
 
-__all__ = ["offload_copy", "to_device", "to_host", "place_on_host", "keep_pinned", "OFFLOAD_COPY", "offloaded", "streamed", "map_buffers"]
+__all__ = [
+    "offload_copy", "offload_copy_into", "to_device", "to_host", "to_host_into", "place_on_host", "keep_pinned",
+    "OFFLOAD_COPY", "OFFLOAD_COPY_INTO", "offloaded", "streamed", "map_buffers", "map_buffer_pairs",
+]
 
 HOST = torch.device("cpu")
 
@@ -69,6 +74,23 @@ def _(x, device, to_host, dtype=None):
 OFFLOAD_COPY = torch.ops.functional_shard.offload_copy.default
 
 
+@custom_op("functional_shard::offload_copy_into", mutates_args=("out",))
+def offload_copy_into(out: torch.Tensor, x: torch.Tensor) -> None:
+    """`x` (on the compute device) copied into `out` (host memory, same shape and dtype): the
+    device update's result written back into the donated state's own host buffer
+    (`sharded_step(..., donate=True)`), so no second host copy of the state is allocated. Waits
+    for the data, as `offload_copy` to the host does; `out` stays pinned where it was."""
+    out.copy_(x)
+
+
+@offload_copy_into.register_fake
+def _(out, x):
+    return None
+
+
+OFFLOAD_COPY_INTO = torch.ops.functional_shard.offload_copy_into.default
+
+
 def to_device(x: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
     """`x` (host memory) copied to the compute `device` (in `dtype`); not differentiable. A
     planned step's tensors (`init_abstract`: meta) stay meta."""
@@ -78,6 +100,12 @@ def to_device(x: torch.Tensor, device: torch.device, dtype: torch.dtype | None =
 def to_host(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """`x` copied to host memory (in `dtype`); not differentiable. Meta stays meta."""
     return OFFLOAD_COPY(x, "meta" if x.device.type == "meta" else str(HOST), True, dtype)
+
+
+def to_host_into(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """`x` copied into the host tensor `out`, which is returned (the donated state's buffer)."""
+    OFFLOAD_COPY_INTO(out, x)
+    return out
 
 
 def place_on_host(t: torch.Tensor) -> torch.Tensor:
@@ -124,4 +152,19 @@ def map_buffers(opt_state, names: frozenset[str], fn) -> Any:
     optimizer state's parameter-like parts are dicts `buffer name -> shard`)."""
     paths, leaves, structure = optree.tree_flatten_with_path(opt_state, none_is_leaf=False, namespace=NAMESPACE)
     mapped = [fn(leaf) if path and path[-1] in names and isinstance(leaf, torch.Tensor) else leaf for path, leaf in zip(paths, leaves)]
+    return optree.tree_unflatten(structure, mapped)
+
+
+def map_buffer_pairs(host_state, new_state, names: frozenset[str], fn) -> Any:
+    """`new_state` with `fn(host, new)` in place of its per-buffer tensors of the buffers `names`,
+    `host` the same leaf of `host_state` (the same structure: the optimizer state before and
+    after the update)."""
+    host_leaves = optree.tree_flatten(host_state, none_is_leaf=False, namespace=NAMESPACE)[0]
+    paths, leaves, structure = optree.tree_flatten_with_path(new_state, none_is_leaf=False, namespace=NAMESPACE)
+    if len(host_leaves) != len(leaves):
+        raise RuntimeError("internal: the optimizer state changed structure in its update")
+    mapped = [
+        fn(host, leaf) if path and path[-1] in names and isinstance(leaf, torch.Tensor) else leaf
+        for path, host, leaf in zip(paths, host_leaves, leaves)
+    ]
     return optree.tree_unflatten(structure, mapped)

@@ -35,7 +35,7 @@ from . import _canonical, _random, _tracing
 from ._collectives import ReduceScatterFlat
 from ._layout import Layout
 from ._mesh import BaseMesh
-from ._offload import map_buffers, offloaded, streamed, to_device, to_host
+from ._offload import map_buffer_pairs, map_buffers, offloaded, streamed, to_device, to_host, to_host_into
 from ._microbatches import cast_inputs, split_microbatches
 from ._shard import gather_buffer, gather_full, gather_kept
 from ._losses import StepError, WeightedLoss, check_loss, split_loss
@@ -395,6 +395,7 @@ def update(fn: StepFunction, layout: Layout, shards, local, opt_state, loss_scal
     grads, local, loss, mean, aux, microbatch_losses = gradients(fn, layout, shards, local, batch, loss_scale, kept)
     trainable = {spec.name: s for spec, s in zip(layout.buffers, shards) if spec.trainable}
     moved = streamed(fn, layout)
+    host_trainable, host_opt_state = trainable, opt_state
     if moved:  # CPU offload, update on the device: its inputs copied there (`stream_offload_copies` places them)
         device = getattr(fn.mesh, "device", torch.device("cpu"))
         grads = {name: to_device(g, device) if name in moved else g for name, g in grads.items()}
@@ -414,7 +415,10 @@ def update(fn: StepFunction, layout: Layout, shards, local, opt_state, loss_scal
         # The norm is all-reduced: every rank reads the same verdict, with no collective of its
         # own. Not finite exactly when some element of the gradient is not (or the norm overflows).
         loss_scale = fn.loss_scale.next(loss_scale, torch.isfinite(norm))
-    if moved:  # ... and its results back to the host
+    if moved and fn.donate:  # ... and its results back to the host: into the donated buffers
+        new_trainable = {name: to_host_into(host_trainable[name], s) if name in moved else s for name, s in new_trainable.items()}
+        new_opt_state = map_buffer_pairs(host_opt_state, new_opt_state, moved, to_host_into)
+    elif moved:  # ... or into new ones
         new_trainable = {name: to_host(s) if name in moved else s for name, s in new_trainable.items()}
         new_opt_state = map_buffers(new_opt_state, moved, to_host)
     new_shards = [new_trainable.get(spec.name, s) for spec, s in zip(layout.buffers, shards)]

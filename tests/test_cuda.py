@@ -92,14 +92,14 @@ def prepare(name: str, batch):
     return llama_batch(batch) if name == "llama" else batch
 
 
-def fs_step(name: str, mesh, *, optimizer, precision=None, schedule=None):
+def fs_step(name: str, mesh, *, optimizer, precision=None, schedule=None, donate=False):
     module, loss = build(name)
     apply_fn, params = fs.functionalize(module)
     if name == "gpt":
         loss_fn = lambda p, b: loss(lambda x: apply_fn(p, x), b)  # noqa: E731
     else:
         loss_fn = lambda p, b: loss(lambda **kw: apply_fn(p, **kw), b)  # noqa: E731
-    step = fs.sharded_step(loss_fn, mesh, optimizer=optimizer, precision=precision, schedule=schedule or fs.Schedule())
+    step = fs.sharded_step(loss_fn, mesh, optimizer=optimizer, precision=precision, schedule=schedule or fs.Schedule(), donate=donate)
     return step, step.init(params)
 
 
@@ -259,14 +259,17 @@ def pinned_share(state) -> float:
     return pinned / total
 
 
+@pytest.mark.parametrize("donate", [False, True])
 @pytest.mark.parametrize("trace", [True, False])
-def test_offload_on_cuda_gives_the_default_bits(deterministic, trace):
+def test_offload_on_cuda_gives_the_default_bits(deterministic, trace, donate):
     """Everything offloaded, the update streamed on the GPU: the default step's bits, the state
-    in pinned host memory before and after the steps."""
+    in pinned host memory before and after the steps (donated: written back into its own pinned
+    buffers, `offload_copy_into`)."""
     with fs.init_mesh({"fsdp": 1}) as mesh:
         optimizer = fs.optim.adamw(1e-3, weight_decay=0.1, fused=True)
         default, d0 = fs_step("llama", mesh, optimizer=optimizer, precision=BF16, schedule=fs.Schedule(trace=trace))
-        off, o0 = fs_step("llama", mesh, optimizer=optimizer, precision=BF16, schedule=fs.Schedule(trace=trace, offload=True))
+        off, o0 = fs_step("llama", mesh, optimizer=optimizer, precision=BF16, schedule=fs.Schedule(trace=trace, offload=True),
+                          donate=donate)
         assert pinned_share(o0) > 0.99, pinned_share(o0)
         d, default_losses = train(default, d0, "llama")
         o, offload_losses = train(off, o0, "llama")

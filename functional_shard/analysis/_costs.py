@@ -85,6 +85,7 @@ _CLASSES = {
 OP_CLASSES = ("matmul", "view", "elementwise", *_CLASSES, "offload")
 _CLASS_OF = {name: kind for kind, names in _CLASSES.items() for name in names}
 _CLASS_OF["offload_copy"] = "offload"  # CPU offload's host <-> device copies (`Machine.host_bandwidth`)
+_CLASS_OF["offload_copy_into"] = "offload"  # ... into the donated state's host buffers
 
 
 # Ops that return a view of their input although their schema does not say so: no kernel runs.

@@ -121,6 +121,8 @@ def host_storages(nodes: list, storage_of: dict, root: dict) -> set:
     and its inputs are the host's when any of its inputs or readers is (`Offload(update="host")`:
     the optimizer, its state and its scalars, reached from the gradients copied to the host)."""
     copy = getattr(getattr(torch.ops, "functional_shard", None), "offload_copy", None)
+    into = getattr(getattr(torch.ops, "functional_shard", None), "offload_copy_into", None)
+    into = into.default if into is not None else None
     if copy is None or not any(n.target is copy.default for n in nodes):
         return set()
     host_nodes: set = set()
@@ -132,8 +134,10 @@ def host_storages(nodes: list, storage_of: dict, root: dict) -> set:
                 continue
             if node.target is copy.default:
                 on_host = bool(node.args[2])
+            elif node.target is into:  # writes a host buffer it reads from the device: makes none
+                on_host = False
             else:  # an operation runs where its tensors are: any of its inputs, or any reader's
-                feeds_host = any(u in host_nodes and u.target is not copy.default for u in node.users)
+                feeds_host = any(u in host_nodes and u.target is not copy.default and u.target is not into for u in node.users)
                 reads_host = node.op == "call_function" and any(a in host_nodes for a in node.all_input_nodes)
                 copied_out = node.op == "placeholder" and any(u.target is copy.default and not u.args[2] for u in node.users)
                 on_host = feeds_host or reads_host or copied_out

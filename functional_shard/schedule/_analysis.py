@@ -8,7 +8,7 @@ from torch import fx
 
 from ._axes import collective_axis
 from ._graph import aliases, collectives, positions, uses
-from ._offload import is_to_host, offload_copies
+from ._offload import copy_source, is_to_host, offload_copies
 from ._remat import recomputed_bytes, recomputed_units
 
 
@@ -76,10 +76,10 @@ def _copy_events(gm: fx.GraphModule, position: dict) -> list[ScheduleEvent]:
     by_wait = {c.wait: c for c in collectives(gm)}
     events = []
     for node in offload_copies(gm):
-        value = node.meta.get("val")
+        source = copy_source(node)
+        value = node.meta.get("val") if node.meta.get("val") is not None else getattr(source, "meta", {}).get("val")
         nbytes = value.numel() * value.element_size() if value is not None else 0
         to_host = is_to_host(node)
-        source = node.args[0]
         c = _reduced_by(source, by_wait) if to_host else next((by_issue[u] for u in node.users if u in by_issue), None)
         unit, buffer, phase = (c.unit, c.buffer, c.phase) if c is not None else ("", "", "update")
         kind = "copied_to_host" if to_host else "copied_to_device"

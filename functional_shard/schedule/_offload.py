@@ -20,7 +20,7 @@ from ._context import Pass, PassContext
 from ._graph import _is_view, _schema
 from ._remat import written_inputs
 
-__all__ = ["Offload", "stream_offload_copies", "offload_copies"]
+__all__ = ["Offload", "stream_offload_copies", "offload_copies", "is_to_host", "copy_source"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,15 +58,30 @@ class Offload:
 
 
 
+def _copy_ops() -> tuple:
+    ns = getattr(torch.ops, "functional_shard", None)
+    return tuple(getattr(ns, name).default for name in ("offload_copy", "offload_copy_into") if hasattr(ns, name))
+
+
 def offload_copies(gm: fx.GraphModule) -> list[fx.Node]:
-    """The step's host <-> device copies (`offload_copy` nodes), in graph order."""
-    op = getattr(getattr(torch.ops, "functional_shard", None), "offload_copy", None)
-    target = op.default if op is not None else None
-    return [n for n in gm.graph.nodes if target is not None and n.target is target]
+    """The step's host <-> device copies (`offload_copy` nodes, and `offload_copy_into` nodes:
+    the donated state's results copied into its own host buffers), in graph order."""
+    ops = _copy_ops()
+    return [n for n in gm.graph.nodes if n.target in ops]
+
+
+def copies_into(node: fx.Node) -> bool:
+    """An `offload_copy_into` node: it writes its first argument, a host buffer, and makes none."""
+    return len(node.args) == 2
 
 
 def is_to_host(node: fx.Node) -> bool:
-    return bool(node.args[2])
+    return copies_into(node) or bool(node.args[2])
+
+
+def copy_source(node: fx.Node):
+    """What a copy copies (its tensor argument)."""
+    return node.args[1] if copies_into(node) else node.args[0]
 
 
 def _last_write(gm: fx.GraphModule, source: fx.Node, copy: fx.Node) -> fx.Node:
@@ -104,7 +119,7 @@ class stream_offload_copies(Pass):
         _norms_on_the_device(gm)
         for node in offload_copies(gm):
             if is_to_host(node):
-                source = node.args[0]
+                source = copy_source(node)
                 if isinstance(source, fx.Node) and source.op != "placeholder":
                     after = _last_write(gm, source, node)
                     if after.next is not node:

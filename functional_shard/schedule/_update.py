@@ -42,8 +42,9 @@ class early_update(Pass):
     """Run each unit's part of the optimizer update as soon as its gradient is reduced (see the
     module docstring): the same computation, the same bits, each reduced gradient freed early,
     and the update's compute overlapping the next collective instead of following the
-    backward. A no-op where the update is out of place (no `donate=True`) or needs every
-    gradient first (clipping by the global norm, loss scaling).
+    backward. A no-op where the update is out of place (no `donate=True`), needs every
+    gradient first (clipping by the global norm, loss scaling), or runs on the device for a
+    CPU-offloaded state (`offload_copy_into`: the state would come to the device during the backward).
 
     Arguments:
         units: move the updates of only the first `units` units whose gradients are reduced
@@ -60,6 +61,11 @@ class early_update(Pass):
     guided: bool = True
 
     def __call__(self, gm: fx.GraphModule, context: PassContext) -> fx.GraphModule:
+        if _copies_into_host(gm):
+            # CPU offload's device update writing back into the donated host state: moved into
+            # the backward, each unit's state would come to the device while the backward's
+            # activations are alive (the gradients are on the host already: nothing to free).
+            return gm
         plan = _plan(gm, context, self.units)
         if plan is None:
             return gm
@@ -308,3 +314,8 @@ def _past_next_issue(anchor: fx.Node) -> fx.Node:
     while node.op == "call_function" and (node.target is WAIT_OP or _is_building_copy(node)):
         node = node.next
     return node if node.target in ISSUE_OPS else anchor
+
+
+def _copies_into_host(gm: fx.GraphModule) -> bool:
+    into = getattr(getattr(torch.ops, "functional_shard", None), "offload_copy_into", None)
+    return into is not None and any(n.target is into.default for n in gm.graph.nodes)
