@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import faulthandler
 import io
 import multiprocessing
 import multiprocessing.connection
@@ -174,6 +175,9 @@ def _rank_main(
 ) -> None:
     """The body of every rank: set up, then run what the parent sends until it says "close"."""
     die_with_parent(parent_pid)
+    # A rank killed by a fatal signal (SIGSEGV, SIGABRT from glibc's heap checks, SIGBUS) prints
+    # every thread's Python stack to its stderr first: where it died, not only that it did.
+    faulthandler.enable(all_threads=True)
     if keep_memory:
         keep_freed_memory()
     os.environ.update(_environment(rank, world_size, port))

@@ -206,6 +206,23 @@ def test_a_rank_that_dies_while_the_others_wait_to_agree_is_named_in_seconds():
     assert elapsed < 10, elapsed
 
 
+def abort_in_a_named_function():
+    os.abort()  # what glibc does on a corrupted heap ("malloc(): unaligned tcache chunk detected")
+
+
+def test_a_rank_killed_by_a_fatal_signal_prints_where_it_was(capfd):
+    """A rank that dies by SIGABRT (or SIGSEGV) prints its Python stack to stderr before it goes
+    (faulthandler in every rank), so a crash in CI says where it happened; the parent still
+    reports the rank killed by the signal."""
+    with fs.WorkerPool(1, start_timeout=120) as pool:
+        with pytest.raises(fs.RankError) as info:
+            pool.run(abort_in_a_named_function, timeout=60, grace=10)
+    failure = info.value.failures[0]
+    assert failure.kind is fs.FailureKind.KILLED and "SIGABRT" in failure.message, failure.message
+    err = capfd.readouterr().err
+    assert "Fatal Python error: Aborted" in err and "abort_in_a_named_function" in err, err[-2000:]
+
+
 # --- 11. ranks die with torchrun's agent -----------------------------------------------------------
 
 TRAINS_FOREVER = """
