@@ -475,7 +475,7 @@ def test_simulator_benchmark_quick_mode_runs_and_reports():
     out = subprocess.run(
         [sys.executable, os.path.join(root, "benchmarks", "simulator.py"), "--quick"], capture_output=True, text=True, env=env, timeout=300
     )
-    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.returncode == 0, out.stderr[-12000:]
     rows = [line for line in out.stdout.splitlines() if line.startswith("mlp | default | 2 |")]
     assert len(rows) == 1, out.stdout
     predicted_ms, measured = rows[0].split(" | ")[3:5]

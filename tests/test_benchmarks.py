@@ -145,7 +145,7 @@ def test_canonical_benchmark_quick_runs_and_reports():
     the ratios, and the canonical arms bit-identical to each other (never a threshold on timings)."""
     command = [sys.executable, str(BENCHMARKS / "canonical.py"), "--quick"]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=180)
-    assert done.returncode == 0, f"canonical.py failed:\n{done.stdout}\n{done.stderr[-3000:]}"
+    assert done.returncode == 0, f"canonical.py failed:\n{done.stdout}\n{done.stderr[-12000:]}"
     from canonical import ARMS as CANONICAL_ARMS
 
     for name in CANONICAL_ARMS:
@@ -164,7 +164,7 @@ def test_pipeline_benchmark_quick_runs_and_reports(tmp_path):
     out = tmp_path / "pipeline.json"
     command = [sys.executable, str(BENCHMARKS / "pipeline.py"), "--quick", "--json", str(out)]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, f"pipeline.py failed:\n{done.stdout}\n{done.stderr[-3000:]}"
+    assert done.returncode == 0, f"pipeline.py failed:\n{done.stdout}\n{done.stderr[-12000:]}"
     from pipeline import FS_SCHEDULES, TORCH_NAMES
 
     (entry,) = json.loads(out.read_text())

@@ -43,7 +43,7 @@ def site(tmp_path_factory) -> Path:
         [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site_dir)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
-    assert build.returncode == 0, "mkdocs build --strict failed:\n" + build.stderr[-5000:]
+    assert build.returncode == 0, "mkdocs build --strict failed:\n" + build.stderr[-12000:]
     return site_dir
 
 

@@ -60,7 +60,7 @@ def assert_png(path: Path) -> None:
 @pytest.mark.slow
 def test_train_gpt_example_loss_falls_by_30_percent(tmp_path):
     run = run_example(str(EXAMPLES / "train_gpt.py"), "--out", str(tmp_path))
-    assert run.returncode == 0, run.stderr[-4000:]
+    assert run.returncode == 0, run.stderr[-12000:]
     summary = last_dict(run.stdout)
     assert summary["final_loss"] <= 0.7 * summary["first_loss"], summary
     assert "steps: 300 in" in run.stdout and "peak memory (max RSS) per rank: rank 0" in run.stdout, run.stdout[-2000:]
@@ -76,7 +76,7 @@ def test_train_gpt_example_loss_falls_by_30_percent(tmp_path):
 @pytest.mark.slow
 def test_schedules_example_shows_bit_identical_schedules():
     run = run_example(str(EXAMPLES / "schedules.py"), "--steps", "2")
-    assert run.returncode == 0, run.stderr[-4000:]
+    assert run.returncode == 0, run.stderr[-12000:]
     assert run.stdout.count("bit-identical to the eager reference") == 5, run.stdout[-3000:]
     assert "gather_issued" in run.stdout and "reduce_scatter_waited" in run.stdout
 
@@ -88,13 +88,13 @@ def test_hf_llama_example_trains_resumes_and_exports(tmp_path):
     transformers = pytest.importorskip("transformers")
     script, out = str(EXAMPLES / "train_hf_llama.py"), str(tmp_path / "run")
     first = run_example(script, "--steps", "4", "--eval-every", "0", "--out", out, "--no-export")
-    assert first.returncode == 0, first.stderr[-4000:]
+    assert first.returncode == 0, first.stderr[-12000:]
     assert last_dict(first.stdout)["steps"] == 4
     assert (tmp_path / "run" / "checkpoint").is_dir()
 
     # Go on from the checkpoint, with gradient accumulation now (the checkpoint does not care).
     second = run_example(script, "--steps", "6", "--eval-every", "2", "--out", out, "--resume", "--microbatches", "2")
-    assert second.returncode == 0, second.stderr[-4000:]
+    assert second.returncode == 0, second.stderr[-12000:]
     result = last_dict(second.stdout)
     assert result["steps"] == 6 and result["resumed_from"] == 4, result
     # The history goes on across the resume: the first loss is step 0's, of the first run.
@@ -123,7 +123,7 @@ def test_hf_llama_example_remat_flag(tmp_path):
     run = run_example(
         script, "--remat", "--microbatches", "2", "--steps", "2", "--eval-every", "0", "--no-export", "--out", str(tmp_path)
     )
-    assert run.returncode == 0, run.stderr[-4000:]
+    assert run.returncode == 0, run.stderr[-12000:]
 
 
 @pytest.mark.slow
@@ -132,7 +132,7 @@ def test_hf_llama_example_defaults_loss_falls_by_30_percent(tmp_path):
     began = time.monotonic()
     run = run_example(str(EXAMPLES / "train_hf_llama.py"), "--out", str(tmp_path), timeout=600)
     seconds = time.monotonic() - began
-    assert run.returncode == 0, run.stderr[-4000:]
+    assert run.returncode == 0, run.stderr[-12000:]
     result = last_dict(run.stdout)
     assert result["final_loss"] <= 0.7 * result["first_loss"], result
     assert result["export_matches"] is True
@@ -145,7 +145,7 @@ def test_hf_llama_example_bf16_accumulation_clipping(tmp_path):
     pytest.importorskip("transformers")
     run = run_example(str(EXAMPLES / "train_hf_llama.py"), "--steps", "30", "--precision", "bf16", "--microbatches",
                       "2", "--clip", "0.5", "--eval-every", "10", "--out", str(tmp_path), timeout=600)
-    assert run.returncode == 0, run.stderr[-4000:]
+    assert run.returncode == 0, run.stderr[-12000:]
     result = last_dict(run.stdout)
     assert result["final_loss"] <= 0.7 * result["first_loss"], result
 
@@ -211,7 +211,7 @@ def test_the_getting_started_script_runs_as_written(tmp_path):
     script.write_text(code)
     run = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=clean_environment(), capture_output=True,
                          text=True, timeout=300, check=False)
-    assert run.returncode == 0, run.stderr[-4000:]
+    assert run.returncode == 0, run.stderr[-12000:]
     result = last_dict(run.stdout)
     assert result["steps"] == 30 and result["loss"] < 1.386, result  # below ln 4: it learned
     assert_no_leak_warnings(run.stderr)

@@ -43,7 +43,7 @@ def test_the_example_trains_at_fsdp2_tp2_and_its_joined_weights_evaluate_alike(l
 @pytest.mark.slow
 def test_the_example_script_with_fs_launch_loss_falls_by_30_percent():
     run = run_example(str(SCRIPT))
-    assert run.returncode == 0, run.stderr[-4000:]
+    assert run.returncode == 0, run.stderr[-12000:]
     result = last_dict(run.stdout)
     assert result["mesh"] == {"fsdp": 2, "tp": 2} and result["steps"] == 40, result
     assert result["final_loss"] <= 0.7 * result["first_loss"], result
@@ -59,7 +59,7 @@ def test_the_example_script_under_torchrun_and_at_another_mesh():
                "--steps", "3", "--axes", "replicate=2,tp=2", "--gathered-logits"]  # fmt: skip
     run = subprocess.run(command, cwd=ROOT, env=clean_environment(OMP_NUM_THREADS="1"), capture_output=True, text=True,
                          timeout=300, check=False)  # fmt: skip
-    assert run.returncode == 0, run.stderr[-4000:]
+    assert run.returncode == 0, run.stderr[-12000:]
     result = last_dict(run.stdout)
     assert result["mesh"] == {"replicate": 2, "tp": 2} and result["q_proj_shapes"] == Q_PROJ, result
     assert result["final_loss"] < result["first_loss"], result
