@@ -41,11 +41,10 @@ import torch
 import torch.distributed as dist
 
 from ._failures import MeshError, PeerError
-from ._heartbeat import Heartbeat, beat_key as _beat_key, collective_counts, decode_beat as _decode_beat
+from ._heartbeat import PREFIX, Heartbeat, beat_key as _beat_key, collective_counts, decode_beat as _decode_beat
 
 __all__ = ["Agreement", "Entry"]
 
-PREFIX = "functional_shard/agree"
 # Seconds without a changed heartbeat (`_heartbeat`: one every 0.5 s) before a missing
 # rank is met in an all-gather instead.
 SILENT_AFTER = 3.0

@@ -23,12 +23,12 @@ __all__ = ["Heartbeat", "beat_key", "collective_counts", "decode_beat", "stop_he
 
 # Seconds between a rank's heartbeats (and a waiting rank's looks at the missing ranks).
 HEARTBEAT_PERIOD = 0.5
-_PREFIX = "functional_shard/agree"
+# Where the agreement (`_agreement`) and the heartbeats keep their keys on the store.
+PREFIX = "functional_shard/agree"
 
 
 def beat_key(rank: int) -> str:
-    return f"{_PREFIX}/beat/{rank}"
-
+    return f"{PREFIX}/beat/{rank}"
 
 
 def decode_beat(text: str) -> dict:
@@ -37,7 +37,6 @@ def decode_beat(text: str) -> dict:
     except ValueError:
         return {}
     return beat if isinstance(beat, dict) else {}
-
 
 
 def collective_counts(groups: dict[str, Callable[[], Any]]) -> dict[str, int]:

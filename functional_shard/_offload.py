@@ -150,9 +150,7 @@ def streamed(fn, layout) -> frozenset[str]:
 def map_buffers(opt_state, names: frozenset[str], fn) -> Any:
     """`opt_state` with `fn` applied to its per-buffer tensors of the buffers `names` (the
     optimizer state's parameter-like parts are dicts `buffer name -> shard`)."""
-    paths, leaves, structure = optree.tree_flatten_with_path(opt_state, none_is_leaf=False, namespace=NAMESPACE)
-    mapped = [fn(leaf) if path and path[-1] in names and isinstance(leaf, torch.Tensor) else leaf for path, leaf in zip(paths, leaves)]
-    return optree.tree_unflatten(structure, mapped)
+    return map_buffer_pairs(opt_state, opt_state, names, lambda _, leaf: fn(leaf))
 
 
 def map_buffer_pairs(host_state, new_state, names: frozenset[str], fn) -> Any:

@@ -35,6 +35,7 @@ from torch import fx
 
 from ..schedule._remat import written_inputs
 from ._costs import _UNANNOTATED_VIEWS, COLLECTIVE_OPS, NodeCost, is_view, node_cost, tensors_of
+from ._regions import node_roles
 
 __all__ = ["FusedGraph", "block_nodes", "compiled_intermediates", "fuse", "runs_compiled"]
 
@@ -60,8 +61,6 @@ def block_nodes(gm: fx.GraphModule, roles=None) -> frozenset:
     and their recomputation), what compiling each block alone compiles (torchtitan's
     `apply_compile`: every TransformerBlock; the embedding, the output layer, the loss and the
     optimizer stay eager)."""
-    from ._regions import node_roles
-
     unit = (roles or node_roles(gm)).unit
     return frozenset(n for n in gm.graph.nodes if unit.get(n, "") not in ("", "input", "output"))
 
@@ -173,4 +172,3 @@ def _readers(node: fx.Node, inside: set) -> list:
         else:
             found.append(u)
     return found
-

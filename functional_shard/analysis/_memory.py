@@ -27,6 +27,7 @@ import torch
 from torch import fx
 
 from ..schedule._graph import pre_collective_cast
+from ..schedule._offload import copies_into, is_offload_copy, is_to_host
 from ..schedule._liveness import lifetimes, memory_timeline, timeline_of  # noqa: F401 - memory_timeline: re-exported
 from ._costs import COLLECTIVE_OPS
 from ._regions import GRADIENT_PLUMBING, NodeRoles, gradient_sources
@@ -120,10 +121,8 @@ def host_storages(nodes: list, storage_of: dict, root: dict) -> set:
     offloaded shard or optimizer tensor); any other operation runs where its tensors are, so it
     and its inputs are the host's when any of its inputs or readers is (`Offload(update="host")`:
     the optimizer, its state and its scalars, reached from the gradients copied to the host)."""
-    copy = getattr(getattr(torch.ops, "functional_shard", None), "offload_copy", None)
-    into = getattr(getattr(torch.ops, "functional_shard", None), "offload_copy_into", None)
-    into = into.default if into is not None else None
-    if copy is None or not any(n.target is copy.default for n in nodes):
+    copies = {n for n in nodes if is_offload_copy(n)}
+    if not copies:
         return set()
     host_nodes: set = set()
     changed = True
@@ -132,14 +131,12 @@ def host_storages(nodes: list, storage_of: dict, root: dict) -> set:
         for node in nodes:
             if node in host_nodes or node.op == "output":
                 continue
-            if node.target is copy.default:
-                on_host = bool(node.args[2])
-            elif node.target is into:  # writes a host buffer it reads from the device: makes none
-                on_host = False
+            if node in copies:  # its output on its side; `offload_copy_into` writes a host buffer and makes none
+                on_host = is_to_host(node) and not copies_into(node)
             else:  # an operation runs where its tensors are: any of its inputs, or any reader's
-                feeds_host = any(u in host_nodes and u.target is not copy.default and u.target is not into for u in node.users)
+                feeds_host = any(u in host_nodes and u not in copies for u in node.users)
                 reads_host = node.op == "call_function" and any(a in host_nodes for a in node.all_input_nodes)
-                copied_out = node.op == "placeholder" and any(u.target is copy.default and not u.args[2] for u in node.users)
+                copied_out = node.op == "placeholder" and any(u in copies and not is_to_host(u) for u in node.users)
                 on_host = feeds_host or reads_host or copied_out
             if on_host:
                 host_nodes.add(node)

@@ -8,7 +8,7 @@ from torch import fx
 
 from ._axes import collective_axis
 from ._graph import aliases, collectives, positions, uses
-from ._offload import copy_source, is_to_host, offload_copies
+from ._offload import copies_into, copy_source, is_to_host, offload_copies
 from ._remat import recomputed_bytes, recomputed_units
 
 
@@ -77,7 +77,7 @@ def _copy_events(gm: fx.GraphModule, position: dict) -> list[ScheduleEvent]:
     events = []
     for node in offload_copies(gm):
         source = copy_source(node)
-        value = node.meta.get("val") if node.meta.get("val") is not None else getattr(source, "meta", {}).get("val")
+        value = (source if copies_into(node) else node).meta.get("val")  # `offload_copy_into` returns nothing
         nbytes = value.numel() * value.element_size() if value is not None else 0
         to_host = is_to_host(node)
         c = _reduced_by(source, by_wait) if to_host else next((by_issue[u] for u in node.users if u in by_issue), None)

@@ -20,7 +20,7 @@ from ._context import Pass, PassContext
 from ._graph import _is_view, _schema
 from ._remat import written_inputs
 
-__all__ = ["Offload", "stream_offload_copies", "offload_copies", "is_to_host", "copy_source"]
+__all__ = ["Offload", "stream_offload_copies", "offload_copies", "is_offload_copy", "copies_into", "is_to_host", "copy_source"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +61,11 @@ class Offload:
 def _copy_ops() -> tuple:
     ns = getattr(torch.ops, "functional_shard", None)
     return tuple(getattr(ns, name).default for name in ("offload_copy", "offload_copy_into") if hasattr(ns, name))
+
+
+def is_offload_copy(node: fx.Node) -> bool:
+    """An `offload_copy` or `offload_copy_into` node."""
+    return node.target in _copy_ops()
 
 
 def offload_copies(gm: fx.GraphModule) -> list[fx.Node]:

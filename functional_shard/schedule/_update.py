@@ -34,6 +34,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from ._context import Pass, PassContext
 from ._graph import ISSUE_OPS, WAIT_OP, _is_building_copy, _is_view, _schema, ancestors, copy_graph, positions, pre_collective_cast
+from ._offload import copies_into, offload_copies
 from ._remat import written_inputs
 
 
@@ -61,7 +62,7 @@ class early_update(Pass):
     guided: bool = True
 
     def __call__(self, gm: fx.GraphModule, context: PassContext) -> fx.GraphModule:
-        if _copies_into_host(gm):
+        if any(copies_into(n) for n in offload_copies(gm)):
             # CPU offload's device update writing back into the donated host state: moved into
             # the backward, each unit's state would come to the device while the backward's
             # activations are alive (the gradients are on the host already: nothing to free).
@@ -315,7 +316,3 @@ def _past_next_issue(anchor: fx.Node) -> fx.Node:
         node = node.next
     return node if node.target in ISSUE_OPS else anchor
 
-
-def _copies_into_host(gm: fx.GraphModule) -> bool:
-    into = getattr(getattr(torch.ops, "functional_shard", None), "offload_copy_into", None)
-    return into is not None and any(n.target is into.default for n in gm.graph.nodes)
