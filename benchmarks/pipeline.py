@@ -86,6 +86,24 @@ TORCH_NAMES = {"gpipe": "torch GPipe", "1f1b": "torch 1F1B", "interleaved_1f1b":
 FS_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv")
 STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "zb_h1": 1, "zbv": 2}
 MULTI = ("interleaved_1f1b", "zb_h1", "zbv")  # torch schedules that take a list of stages
+# "<schedule>+compile" arms (not run by default): torch.compile (inductor) on both sides. fs:
+# fs.Schedule(compile=True), each stage program compiled whole; torch: each block of each stage
+# module compiled (`block.compile()`, torchtitan's apply_compile under pipelining). Whole-backward
+# schedules only: fs refuses compile with an I/W split.
+COMPILE = "+compile"
+COMPILABLE = ("gpipe", "1f1b", "interleaved_1f1b")
+FS_CHOICES = FS_SCHEDULES + tuple(s + COMPILE for s in COMPILABLE)
+TORCH_CHOICES = tuple(TORCH_SCHEDULES) + tuple(s + COMPILE for s in COMPILABLE)
+
+
+def schedule_of(arm: str) -> tuple[str, bool]:
+    """'1f1b+compile' -> ('1f1b', True)."""
+    return arm.removesuffix(COMPILE), arm.endswith(COMPILE)
+
+
+def torch_name(arm: str) -> str:
+    schedule, compiled = schedule_of(arm)
+    return TORCH_NAMES[schedule] + (COMPILE if compiled else "")
 
 
 @dataclass(frozen=True)
@@ -207,6 +225,10 @@ class LlamaStage(nn.Module):
         return self.lm_head(self.norm(h)) if self.last else h
 
 
+def blocks_of_stage(stage: nn.Module) -> nn.ModuleList:
+    return stage.blocks if isinstance(stage, GPTStage) else stage.layers
+
+
 def make_stage(model: nn.Module, s: int, num_stages: int) -> nn.Module:
     """Stage `s` of `num_stages` of a copy of `model`."""
     model = copy.deepcopy(model)
@@ -245,9 +267,10 @@ class FsArm:
             logits = apply_fn(p, x) if isinstance(model, GPT) else apply_fn(p, input_ids=x).logits
             return cross_entropy(logits, y)
 
+        schedule, compiled = schedule_of(schedule)
         pipeline = fs.pipeline.Pipeline(schedule, stages_per_rank=STAGES_PER_RANK[schedule])
         self.step_fn = fs.sharded_step(loss_fn, mesh, optimizer=hyper.fs_adamw(), microbatches=config.microbatches,
-                                       pipeline=pipeline, donate=True)  # fmt: skip
+                                       pipeline=pipeline, donate=True, schedule=fs.Schedule(compile=compiled))  # fmt: skip
         self.state = self.step_fn.init(params)
         self.params = sum(spec.numel for spec in self.state.params.layout.buffers if spec.trainable)
         # Trace and cut loss_fn now, before any arm's first step: fs counts its own point-to-point
@@ -268,13 +291,18 @@ class FsArm:
 
 class TorchArm:
     def __init__(self, schedule: str, base: nn.Module, mesh, hyper: Hyper, config: Config, group):
-        self.name = TORCH_NAMES[schedule]
+        self.name = torch_name(schedule)
+        schedule, compiled = schedule_of(schedule)
         P, rank = mesh.shape["pp"], mesh.coordinates["pp"]
         v = STAGES_PER_RANK[schedule]
         n = P * v
         # the looped placement (torch's and fs's), or ZB-V's: rank r holds stages r and 2P-1-r
         self.indices = [rank, 2 * P - 1 - rank] if schedule == "zbv" else [rank + k * P for k in range(v)]
         self.modules = [make_stage(base, s, n) for s in self.indices]
+        if compiled:
+            for m in self.modules:
+                for block in blocks_of_stage(m):
+                    block.compile(backend="inductor")
         self.stages = [PipelineStage(m, s, n, torch.device("cpu"), group=group)
                        for m, s in zip(self.modules, self.indices)]  # fmt: skip
         kind = TORCH_SCHEDULES[schedule]
@@ -400,7 +428,8 @@ def run_model(name: str, config: Config, mesh, group, tokens, vocab: int) -> dic
         curves[arm.name] = values.tolist()
     params = {a.name: mesh.all_gather_world(torch.tensor([a.params], dtype=torch.int64)).tolist() for a in arms}
     memory_batch = batch_of(tokens, config, total)
-    peaks = {a.name: _peak(mesh, a, memory_batch) for a in arms}
+    # MemTracker is a dispatch mode, under which torch.compile runs nothing compiled: no peak for those arms
+    peaks = {a.name: None if a.name.endswith(COMPILE) else _peak(mesh, a, memory_batch) for a in arms}
     result = None
     if mesh.rank == 0:
         result = {"arms": {}, "params": sum(p.numel() for p in base.parameters())}
@@ -436,7 +465,8 @@ def _is_fs(name: str) -> bool:
 
 
 def _same_torch(name: str) -> str:
-    return TORCH_NAMES.get(name.removeprefix("fs "), "")
+    schedule = name.removeprefix("fs ")
+    return torch_name(schedule) if schedule_of(schedule)[0] in TORCH_NAMES else ""
 
 
 def table(model: str, label: str, config: Config, result: dict) -> str:
@@ -461,13 +491,17 @@ def table(model: str, label: str, config: Config, result: dict) -> str:
         per_rank = ", ".join(f"{p:,}" for p in a["params_per_rank"][:P])
         lines.append(
             f"| {name} | {1e3 * medians[name]:.1f} | {1e3 * (q[2] - q[0]):.1f} | {medians[name] / torch_best:.2f} "
-            f"| {ratio_same} | {max(a['peak_bytes_per_rank']) / 2**20:.1f} | {a['losses'][0]:.4f} "
+            f"| {ratio_same} | {_mib(a['peak_bytes_per_rank'])} | {a['losses'][0]:.4f} "
             f"| {a['losses'][-1]:.4f} | {diff} | {per_rank} |"
         )
     if "reference_losses" in result:
         ref = result["reference_losses"]
         lines.append(f"| one process, whole batch (reference) |  |  |  |  |  | {ref[0]:.4f} | {ref[-1]:.4f} | 0 |  |")
     return "\n".join(lines)
+
+
+def _mib(peaks: list[int] | None) -> str:
+    return "n/a" if peaks is None else f"{max(peaks) / 2**20:.1f}"
 
 
 def targets(model: str, label: str, result: dict) -> list[str]:
@@ -477,7 +511,8 @@ def targets(model: str, label: str, result: dict) -> list[str]:
     peers = {n: a for n, a in arms.items() if not _is_fs(n)}
     fastest = min(peers, key=lambda n: statistics.median(peers[n]["times_s"]))
     best_time = statistics.median(peers[fastest]["times_s"])
-    best_peak = max(peers[fastest]["peak_bytes_per_rank"])
+    best_peak = peers[fastest]["peak_bytes_per_rank"]
+    best_peak = None if best_peak is None else max(best_peak)
     lines = []
     best = min((n for n in arms if _is_fs(n)), key=lambda n: statistics.median(arms[n]["times_s"]))
     ratio = statistics.median(arms[best]["times_s"]) / best_time
@@ -487,11 +522,13 @@ def targets(model: str, label: str, result: dict) -> list[str]:
         if not _is_fs(name):
             continue
         ratio = statistics.median(a["times_s"]) / best_time
-        peak = max(a["peak_bytes_per_rank"])
+        peak = a["peak_bytes_per_rank"]
+        memory = ("peak not measured (compiled)" if peak is None or best_peak is None else
+                  f"peak {max(peak) / 2**20:.1f} MiB vs {best_peak / 2**20:.1f} MiB "
+                  f"(target <=: {'met' if max(peak) <= best_peak else 'missed'})")  # fmt: skip
         lines.append(
             f"- {model} {label}, `{name}`: step time {ratio:.2f} x `{fastest}` (target <= 0.90: "
-            f"{'met' if ratio <= 0.9 else 'missed'}); peak {peak / 2**20:.1f} MiB vs {best_peak / 2**20:.1f} MiB "
-            f"(target <=: {'met' if peak <= best_peak else 'missed'})"
+            f"{'met' if ratio <= 0.9 else 'missed'}); {memory}"
         )
     return lines
 
@@ -515,9 +552,11 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=None)
     parser.add_argument("--batch-size", type=int, default=None, help="sequences per step")
     parser.add_argument("--microbatches", type=int, default=None)
-    parser.add_argument("--fs-schedules", nargs="+", choices=FS_SCHEDULES, default=list(FS_SCHEDULES))
-    parser.add_argument("--torch-schedules", nargs="+", choices=list(TORCH_SCHEDULES), default=list(TORCH_SCHEDULES),
-                        help="zb_h1: ScheduleInterleavedZeroBubble (one stage per rank); zbv: ScheduleZBVZeroBubble")
+    parser.add_argument("--fs-schedules", nargs="+", choices=FS_CHOICES, default=list(FS_SCHEDULES),
+                        help="NAME+compile: with fs.Schedule(compile=True) (gpipe, 1f1b, interleaved_1f1b)")
+    parser.add_argument("--torch-schedules", nargs="+", choices=TORCH_CHOICES, default=list(TORCH_SCHEDULES),
+                        help="zb_h1: ScheduleInterleavedZeroBubble (one stage per rank); zbv: ScheduleZBVZeroBubble; "
+                             "NAME+compile: every block of the stages torch.compile'd (gpipe, 1f1b, interleaved_1f1b)")
     parser.add_argument("--no-reference", action="store_true", help="skip the single-process reference")
     parser.add_argument("--quick", action="store_true", help="a tiny GPT, {'pp': 2}, 2 timed steps: a smoke check")
     parser.add_argument("--json", type=Path, help="write the raw figures here")

@@ -137,10 +137,10 @@ def _pipeline_step(loss_fn, mesh, optimizer, schedule, units, has_aux, donate, p
                    placements, canonical_chunks, pipeline):  # fmt: skip
     if mesh.shape.get("pp", 1) < 1 or "pp" not in mesh.shape:
         raise MeshError(f"pipeline= needs a 'pp' axis in the mesh; the {mesh.describe()} has none")
-    if schedule is not None and (not isinstance(schedule, Schedule) or dataclasses.replace(schedule, trace=True, remat=False) != Schedule()):
+    if schedule is not None and (not isinstance(schedule, Schedule) or dataclasses.replace(schedule, trace=True, remat=False, compile=False) != Schedule()):
         raise StepError(
             "a pipelined step takes fs.Schedule(), fs.Schedule(trace=False) (the oracle: every transfer waited where "
-            f"its action stands) and remat=; its other fields do not apply to a pipeline yet; got {schedule!r}"
+            f"its action stands), remat= and compile=; its other fields do not apply to a pipeline yet; got {schedule!r}"
         )
     if pipeline is None:
         pipeline = Pipeline()
@@ -150,5 +150,5 @@ def _pipeline_step(loss_fn, mesh, optimizer, schedule, units, has_aux, donate, p
         raise TypeError(f"pipeline= takes an fs.pipeline.Pipeline or a schedule's name; got {type(pipeline).__name__}")
     return PipelineStep(loss_fn, mesh, optimizer=as_optimizer(optimizer), pipeline=pipeline, microbatches=microbatches,
                         trace=schedule is None or schedule.trace, remat=False if schedule is None else schedule.remat,
-                        canonical_chunks=canonical_chunks, units=units, has_aux=has_aux, donate=donate,
+                        compile=schedule is not None and schedule.compile, canonical_chunks=canonical_chunks, units=units, has_aux=has_aux, donate=donate,
                         precision=precision, nonfinite=nonfinite, placements=placements)  # fmt: skip

@@ -305,7 +305,7 @@ def run_actions(
             inputs = [t.detach().requires_grad_(backward and b.differentiable) for t, b in zip(inputs, program.received)]
             batch = [micro_batches[m][i] for i in program.batch]
             keep = backward and s not in remat
-            run = functools.partial(program.module, st.leaves, inputs, batch, st.local)
+            run = functools.partial(program.module if program.call is None else program.call, st.leaves, inputs, batch, st.local)
             rng = _rng_state(mesh) if backward and s in remat else None
             with torch.set_grad_enabled(keep):
                 if recorder is not None and backward:

@@ -53,7 +53,7 @@ class PipelineStep(StageFigures):
     `explain()`, as `ShardedStep`'s."""
 
     def __init__(self, loss_fn: Callable, mesh: BaseMesh, *, optimizer, pipeline: Pipeline, microbatches: int,
-                 trace: bool, remat: Any = False, canonical_chunks: int | None = None, units, has_aux: bool, donate: bool, precision, nonfinite, placements):  # fmt: skip
+                 trace: bool, remat: Any = False, compile: bool = False, canonical_chunks: int | None = None, units, has_aux: bool, donate: bool, precision, nonfinite, placements):  # fmt: skip
         if has_aux:
             raise StepError("a pipelined step does not return aux yet (has_aux=True): return the loss only")
         if precision is not None and precision.loss_scale is not None:
@@ -82,7 +82,7 @@ class PipelineStep(StageFigures):
                 f"a pipelined step rematerializes whole stages: remat=True, a tuple of unit names or a function "
                 f"unit -> bool (a stage is recomputed if any of its units is chosen); got {remat!r}"
             )
-        self.remat = remat
+        self.remat, self.compile = remat, compile
         self._remat_stages: frozenset = frozenset()
         self.units, self.donate, self.precision, self.placements = units, donate, precision, placements
         self.nonfinite = _nonfinite.resolve(nonfinite, donate=donate, loss_scale=None)
@@ -103,6 +103,8 @@ class PipelineStep(StageFigures):
                 f"canonical_chunks adds each stage's chunk gradients in chunk order; the schedule {base.name!r} backs them "
                 f"out in the order {self.check.accumulation}: use a built-in or reorder its B/W actions"
             )
+        if compile:
+            _check_compile(base, trace, self.canonical)
         if not self.check.backward:
             raise ScheduleError(f"the pipeline schedule {base.name!r} has no backward actions: a training step needs them")
         self.schedule: PipelineSchedule = lowered
@@ -115,7 +117,8 @@ class PipelineStep(StageFigures):
         self._cuts: dict[str, Cut] = {}
         name = getattr(loss_fn, "__qualname__", type(loss_fn).__name__)
         self._key = _StepKey(f"{name} at 0x{id(self):x} on {mesh!r} (pipeline {base.name})")
-        self._facts = (f"pipeline {base.name}: {self.schedule.to_text()}", f"microbatches={microbatches}", f"trace={trace}")
+        self._facts = (f"pipeline {base.name}: {self.schedule.to_text()}", f"microbatches={microbatches}", f"trace={trace}",
+                       f"compile={compile}")
 
     def __repr__(self) -> str:
         return f"PipelineStep({self._key.description})"
@@ -244,6 +247,9 @@ class PipelineStep(StageFigures):
                     f"operations in stage order; here they come from stages {list(cut.random_stages)} in the order loss_fn "
                     f"draws them. Cut the stages elsewhere (Pipeline(stages=...)) or draw in order"
                 )
+            if self.compile:  # each stage's forward (and, through AOTAutograd, its backward) fused by inductor
+                cut = cut._replace(stages=tuple(p._replace(call=torch.compile(p.module, backend="inductor", fullgraph=True, dynamic=False))
+                                                for p in cut.stages))  # fmt: skip
             self._cuts[signature] = cut
         return cut
 
@@ -452,6 +458,21 @@ class PipelineStep(StageFigures):
             raise StepError(f"this state was made by another step ({state._key.description}); this step is {self._key.description}")
         check_not_donated(state, what)
         _check_shards(state.params)
+
+
+def _check_compile(schedule: PipelineSchedule, trace: bool, canonical) -> None:
+    """compile=True's conditions, before anything runs."""
+    if not trace:
+        raise StepError("compile=True with trace=False: the untraced pipeline is the oracle and runs every stage eagerly")
+    if canonical is not None:
+        raise StepError("compile=True with canonical_chunks: inductor's kernels do not give the layout-invariant bits")
+    split = next((a for row in schedule.actions for a in row if a.kind in (ActionKind.I, ActionKind.W)), None)
+    if split is not None:
+        raise StepError(
+            f"compile=True with the pipeline schedule {schedule.name!r}, which splits a backward into I and W ({split}): "
+            f"a compiled stage's backward is one compiled function that cannot be split; use a schedule with whole "
+            f"backwards (gpipe, 1f1b, interleaved_1f1b) or compile=False"
+        )
 
 
 def _local_full(leaf_index: dict[int, int], layout) -> list[int]:

@@ -61,6 +61,7 @@ class StageProgram(NamedTuple):
     sent: tuple[Boundary, ...]  # values to stage index + 1, in order (the last stage: its loss outputs)
     batch: tuple[int, ...]  # batch leaf indices it reads
     local: tuple[int, ...]  # full-tree leaf indices of module buffers it reads
+    call: Any = None  # `module`'s torch.compile'd form (a step with compile=True), or None: run `module`
 
 
 class Cut(NamedTuple):

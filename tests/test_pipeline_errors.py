@@ -11,7 +11,8 @@ On real gloo processes (the session's world of 2):
   the eager oracle runs them) deadlocks where batched non-blocking sends (the traced step) do
   not: refused for `trace=False` only;
 - a schedule built for another number of pipeline ranks or micro-batches (before any collective);
-- has_aux, fp16 loss scaling (before any collective);
+- has_aux, fp16 loss scaling, compile=True with an I/W-split schedule or with the eager oracle
+  (before any collective);
 - more stages than the model has blocks (`step.init`, on every rank);
 - micro-batches that do not divide the batch, on every rank or on one rank only: every rank
   raises (the one at fault `StepError`, the others `PeerError` naming it), none hangs;
@@ -106,12 +107,12 @@ def outcome(fn):
     return None
 
 
-def make_step(mesh, *, schedule="1f1b", microbatches=2, trace=True, n_layer=4, loss=gpt_loss, **kw):
+def make_step(mesh, *, schedule="1f1b", microbatches=2, trace=True, n_layer=4, loss=gpt_loss, compile=False, **kw):
     torch.set_num_threads(1)
     apply_fn, params = gpt(n_layer)
     pipeline = fs.pipeline.Pipeline(schedule)
     step = fs.sharded_step(loss(apply_fn), mesh, optimizer=fs.optim.adamw(1e-2), microbatches=microbatches,
-                           pipeline=pipeline, schedule=fs.Schedule(trace=trace), **kw)  # fmt: skip
+                           pipeline=pipeline, schedule=fs.Schedule(trace=trace, compile=compile), **kw)  # fmt: skip
     return step, params
 
 
@@ -222,8 +223,10 @@ FP16_SCALED = fs.Precision(param_dtype=torch.float16, loss_scale=fs.LossScale())
     [
         ({"has_aux": True}, ["has_aux=True", "return the loss only"]),
         ({"precision": FP16_SCALED}, ["loss scaling", "bfloat16"]),
+        ({"compile": True, "schedule": "zb_h1"}, ["compile=True", "'zb_h1'", "I and W", "1f1b"]),
+        ({"compile": True, "trace": False}, ["compile=True with trace=False", "oracle"]),
     ],
-    ids=["has_aux", "fp16_loss_scale"],
+    ids=["has_aux", "fp16_loss_scale", "compile_split_backward", "compile_eager_oracle"],
 )
 def test_unsupported_options_are_refused_before_any_collective(world, kw, expected):
     kind, message, _ = world.run(make_alone, PP2, **kw)[0]
