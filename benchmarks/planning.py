@@ -10,7 +10,8 @@ queries, as torchtitan's `repeat_kv`), plans one step with `fs.analysis.plan` on
 `AbstractMesh({"fsdp": N})` (bf16 parameters and compute, fp32 gradient reduction, AdamW,
 the row's activation checkpointing), and simulates it with `fs.analysis.cluster_machine`.
 `--fit` refits the one fitted constant (matmul efficiency) on the Table 1 "FSDP" row and prints it.
-`--fit-peak T`: what if the fit platform's bf16 dense peak were T TFLOP/s (torchtitan: its 500 W
+`--fit-peak T`: what if the fit platform's bf16 dense peak were T TFLOP/s (its achievable matmul and
+flash attention rates scaled alike; torchtitan: its 500 W
 H100s peak "between SXM and NVL", 835-989, value unknown)? Refits the matmul efficiency on the fit
 row at that peak, then predicts every row with it (the sensitivity of the A100 rows, docs/planning.md).
 """
@@ -182,7 +183,8 @@ def main() -> None:
     if args.fit_peak:
         base = fs.analysis.H100_SXM_HBM2E
         scale = args.fit_peak * 1e12 / base.dense_flops["bfloat16"]
-        h100 = dataclasses.replace(base, dense_flops={k: v * scale for k, v in base.dense_flops.items()})
+        h100 = dataclasses.replace(base, dense_flops={k: v * scale for k, v in base.dense_flops.items()},
+                                   matmul_flops=base.matmul_flops * scale, attention_flops=base.attention_flops * scale)
         (point,) = [r for r in ROWS if r.memory_gib and r.gpu == "h100" and r.world == 8 and not r.compile]
         analysis, compiled, _ = plan_row(point)
         matmul, allocator = fit(point, analysis, compiled, h100)

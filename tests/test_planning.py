@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 import os
 import sys
@@ -32,21 +34,26 @@ def test_h100_and_a100_are_their_data_sheets():
     assert (A.H100_SXM.hbm_bandwidth, A.H100_SXM.nvlink_bandwidth) == (3.35e12, 450e9)
     assert (A.H100_SXM_HBM2E.hbm_bandwidth, A.H100_SXM_HBM2E.dense_flops) == (2.4e12, A.H100_SXM.dense_flops)
     assert A.A100_SXM_80GB.dense_flops == {"bfloat16": 312e12, "float16": 312e12, "tf32": 156e12, "float32": 19.5e12}
+    # published measurements: MAMF (ml-engineering) and FlashAttention-2's forward + backward rate
+    assert (A.H100_SXM.matmul_flops, A.A100_SXM_80GB.matmul_flops) == (794.5e12, 271.2e12)
+    assert A.H100_SXM.attention_flops == 335e12
+    assert A.A100_SXM_80GB.attention_flops == pytest.approx(0.656 * 312e12, rel=1e-3)
     assert (A.A100_SXM_80GB.hbm_bandwidth, A.A100_SXM_80GB.nvlink_bandwidth) == (2.039e12, 300e9)
     for gpu in (A.H100_SXM, A.A100_SXM_80GB):
         e = A.FITTED
         m = A.cluster_machine(gpu, world_size=64, network_gbps=200)
         # Large products reach matmul efficiency x peak; large kernels efficiency x HBM bandwidth.
-        assert m.matmul_flops[-1][1] == pytest.approx(e.matmul * gpu.dense_flops["bfloat16"], rel=1e-3)
+        assert m.matmul_flops[-1][1] == pytest.approx(e.matmul * gpu.matmul_flops, rel=1e-3)  # of its achievable rate
         assert m.memory_bandwidth[-1][1] == pytest.approx(e.memory * gpu.hbm_bandwidth, rel=1e-2)
         assert m.collective_bandwidth["all_gather"] == pytest.approx(e.bus * gpu.nvlink_bandwidth)
         assert m.network_bandwidth == pytest.approx(e.bus * 200e9 / 8)
-        assert m.attention_flops == pytest.approx(e.attention * gpu.dense_flops["bfloat16"])
+        assert m.attention_flops == gpu.attention_flops  # the published flash attention rate of that GPU
         assert m.matmul_dtype_scale["float32"] == pytest.approx(gpu.dense_flops["float32"] / gpu.dense_flops["bfloat16"])
         assert m.allocator_overhead == e.allocator
         # An fp32 product runs at fp32's peak; a small one pays the launch.
         big = 1e13
-        assert m.compute_seconds(big, 0, dtype="float32") == pytest.approx(big / (e.matmul * gpu.dense_flops["float32"]), rel=1e-3)
+        fp32 = e.matmul * gpu.achievable() * gpu.dense_flops["float32"]  # MAMF's fraction, at fp32's peak
+        assert m.compute_seconds(big, 0, dtype="float32") == pytest.approx(big / fp32, rel=1e-3)
         assert m.compute_seconds(1e3, 0) >= e.launch_s
     with pytest.raises(ValueError, match="matmul"):
         A.Efficiency(matmul=0.0)
@@ -94,7 +101,11 @@ def test_fused_causal_attention_is_priced_on_the_flops_it_does():
     m = A.cluster_machine(A.H100_SXM)
     options = dict(kind=cost.kind, dtype=cost.dtype, attention=True)
     causal = m.compute_seconds(cost.flops, cost.bytes, causal=True, **options)
-    assert causal == pytest.approx(cost.flops / 2 / (A.FITTED.attention * 989.4e12))
+    assert causal == pytest.approx(cost.flops / 2 / 335e12)  # FlashAttention-2's published rate on an H100
+    # a GPU without a published flash rate: Efficiency.attention of its bf16 peak
+    bare = A.cluster_machine(dataclasses.replace(A.H100_SXM, attention_flops=0.0))
+    assert bare.compute_seconds(cost.flops, cost.bytes, causal=True, **options) == pytest.approx(
+        cost.flops / 2 / (A.FITTED.attention * 989.4e12))
     assert m.compute_seconds(cost.flops, cost.bytes, causal=False, **options) == pytest.approx(2 * causal)
 
 

@@ -5,8 +5,9 @@
 - matrix products at `efficiency.matmul` of the GPU's dense peak for the product's dtype
   (bf16/fp16, tf32, fp32 from the data sheet), reached by large products; a product of `F`
   FLOPs takes `launch_s + F / (efficiency.matmul * peak)`, so small ones run slower;
-- fused attention kernels at `efficiency.attention` of the dense bf16 peak, on the FLOPs the
-  kernel does (a causal call half of those torch's counter reports);
+- fused attention kernels at the GPU's published flash attention rate (`GPU.attention_flops`;
+  `efficiency.attention` of the dense bf16 peak for a GPU without one), on the FLOPs the kernel
+  does (a causal call half of those torch's counter reports);
 - every other kernel (elementwise, norms, softmax, copies, the optimizer) is memory bound:
   its bytes read and written at `efficiency.memory` of the HBM bandwidth, `launch_s` at least;
 - collectives: a ring over NVLink within a node (per-GPU bandwidth per direction, at
@@ -46,6 +47,19 @@ class GPU:
         source: where the numbers come from.
         host_bandwidth: host <-> GPU bytes/s per direction (PCIe x16 from pinned memory: Gen5
             64 GB/s, Gen4 32 GB/s, of which ~80% is reached); what CPU offload's copies move at.
+        attention_flops: FLOP/s of the fused flash attention kernel (FlashAttention-2, what
+            `scaled_dot_product_attention` runs on these GPUs), forward and backward together,
+            as published for this GPU; 0.0: none published, `Efficiency.attention` of the bf16
+            peak is used. How far a GPU's flash kernel is from its peak differs between GPUs
+            (FlashAttention-2 reaches 0.66 of an A100's, 0.34 of an H100's), so it is a data
+            sheet figure here, not one efficiency.
+        matmul_flops: the Maximum Achievable Matmul FLOP/s (MAMF) of bf16 products on this
+            GPU, measured by a published shape search (Bekman, ml-engineering, "Maximum
+            Achievable Matmul FLOPS comparison table": A100 SXM 271.2 TFLOP/s = 86.9% of its
+            peak, H100 SXM 794.5 = 80.3%); 0.0: not published, the data sheet's peak is used.
+            `Efficiency.matmul` is a fraction of it: what a training step's products reach of
+            what products can reach on that GPU. Products of other dtypes scale with the data
+            sheet's peaks.
     """
 
     name: str
@@ -55,6 +69,12 @@ class GPU:
     nvlink_bandwidth: float
     source: str
     host_bandwidth: float = 0.8 * 64e9
+    attention_flops: float = 0.0
+    matmul_flops: float = 0.0
+
+    def achievable(self) -> float:
+        """The fraction of the data sheet's bf16 peak that large products reach (MAMF / peak; 1 if unknown)."""
+        return self.matmul_flops / self.dense_flops["bfloat16"] if self.matmul_flops else 1.0
 
 
 H100_SXM = GPU(
@@ -64,12 +84,17 @@ H100_SXM = GPU(
     memory_bytes=80 * 10**9,
     nvlink_bandwidth=450e9,
     source="NVIDIA H100 Tensor Core GPU datasheet (SXM5: 1,979 TFLOP/s bf16 with sparsity = 989.4 dense; "
-    "tf32 494.7 dense; fp32 66.9; HBM3 3.35 TB/s; NVLink 4 900 GB/s bidirectional)",
+    "tf32 494.7 dense; fp32 66.9; HBM3 3.35 TB/s; NVLink 4 900 GB/s bidirectional); flash attention: "
+    "FlashAttention-2 paper (Dao 2023, section 4.1, Fig. 7), forward + backward on H100 'up to 335 TFLOPs/s'; "
+    "achievable matmul: ml-engineering MAMF table, H100 SXM bf16 794.5 TFLOP/s",
+    attention_flops=335e12,
+    matmul_flops=794.5e12,
 )
 
 # torchtitan's benchmark platform (Grand Teton): the same GPU with 96 GB of HBM2e at 2.4 TB/s,
 # power-limited to 500 W; torchtitan's docs say its peak lies between the SXM's and the NVL's
-# and is not known exactly, so the SXM's peak is kept and `Efficiency.matmul` absorbs the rest.
+# and is not known exactly, so the SXM's peak (and its MAMF) is kept and `Efficiency.matmul`
+# absorbs the rest.
 H100_SXM_HBM2E = dataclasses.replace(
     H100_SXM,
     name="H100 SXM HBM2e 96GB, 500 W (Grand Teton)",
@@ -85,8 +110,13 @@ A100_SXM_80GB = GPU(
     memory_bytes=80 * 10**9,
     nvlink_bandwidth=300e9,
     source="NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB: bf16 312 TFLOP/s dense, tf32 156, fp32 19.5; "
-    "HBM2e 2,039 GB/s; NVLink 3 600 GB/s bidirectional)",
+    "HBM2e 2,039 GB/s; NVLink 3 600 GB/s bidirectional); flash attention: FlashAttention-2 paper (Dao 2023, "
+    "section 1 and 4.1) on an A100 80GB SXM4, forward 'up to 73%' and backward 'up to 63%' of the peak, "
+    "the backward doing 2.5x the forward's FLOPs: 3.5 / (1/0.73 + 2.5/0.63) = 0.656 of 312 = 204.6 TFLOP/s; "
+    "achievable matmul: ml-engineering MAMF table, A100 SXM bf16 271.2 TFLOP/s",
     host_bandwidth=0.8 * 32e9,
+    attention_flops=3.5 / (1 / 0.73 + 2.5 / 0.63) * 312e12,
+    matmul_flops=271.2e12,
 )
 
 
@@ -96,14 +126,17 @@ class Efficiency:
     `allocator` >= 0), and where each comes from.
 
     Attributes:
-        matmul: of the dense tensor-core peak, by large matrix products. FITTED on torchtitan's
-            Llama 3.1 8B FSDP run (8 H100s, Table 1 "FSDP": 5,762 TPS/GPU), the only fitted
-            time constant: it absorbs that platform's 500 W power limit and everything the
-            model leaves out (kernel choice, the CPU's dispatch, clocks).
+        matmul: of what large matrix products reach on the GPU (`GPU.matmul_flops`, its
+            published MAMF; the dense tensor-core peak where there is none), by a training
+            step's products. FITTED on torchtitan's Llama 3.1 8B FSDP run (8 H100s, Table 1
+            "FSDP": 5,762 TPS/GPU), the only fitted time constant: it absorbs that platform's
+            500 W power limit (its MAMF is not published; the 700 W SXM's is used) and
+            everything the model leaves out (the step's product shapes, the CPU's dispatch).
         attention: of the dense bf16 peak, by the fused flash attention kernel, forward and
-            backward together: FlashAttention-2 on an H100 SXM5 at head dim 128, causal,
-            sequence 8k reaches about 330-350 TFLOP/s forward and backward (FlashAttention-3
-            paper, Shah et al. 2024, figures 4-5): 0.34. Taken from that paper, not fitted.
+            backward together, for a GPU whose data sheet has no `attention_flops` (the data
+            sheets here all have one: H100 335 TFLOP/s = 0.34 of its peak, A100 204.6 = 0.66 of
+            its, both from the FlashAttention-2 paper); default 0.34 (FlashAttention-2 on an
+            H100). Not fitted.
         memory: of the HBM bandwidth, by memory-bound kernels on large tensors: 0.8 (what
             large copies and elementwise kernels reach on A100/H100 in STREAM-like measurements,
             e.g. NVIDIA's bandwidthTest and BabelStream reports: 80-90%). Not fitted.
@@ -139,7 +172,7 @@ class Efficiency:
 # (H100_SXM_HBM2E), local batch 2 x 8192 tokens, bf16 compute, fp32 reduce, AdamW, selective op
 # activation checkpointing (RematPolicy(every_other_mm=True)): 5,762 TPS/GPU, 82.4 GiB reserved.
 # `python benchmarks/planning.py --fit` recomputes both.
-FITTED = Efficiency(matmul=0.534, allocator=0.326)
+FITTED = Efficiency(matmul=0.666, allocator=0.326)
 
 
 def cluster_machine(
@@ -173,7 +206,7 @@ def cluster_machine(
             f"{world_size}, {ranks_per_node}, {network_gbps}"
         )
     e = efficiency
-    peak = gpu.dense_flops[compute_dtype] * e.matmul
+    peak = gpu.dense_flops[compute_dtype] * gpu.achievable() * e.matmul
     hbm = gpu.hbm_bandwidth * e.memory
     # A kernel of F FLOPs (B bytes) takes launch_s + F / rate: the curves hold F / that time.
     matmul = tuple((f, f / (e.launch_s + f / peak)) for f in (1e6, 1e7, 1e8, 1e9, 1e10, 1e11, 1e12, 1e13))
@@ -196,7 +229,7 @@ def cluster_machine(
         network_bandwidth=network_gbps / 8 * 1e9 * e.bus,
         network_latency_s=5e-6,
         matmul_dtype_scale={k: v / gpu.dense_flops[compute_dtype] for k, v in gpu.dense_flops.items()},
-        attention_flops=gpu.dense_flops["bfloat16"] * e.attention,
+        attention_flops=gpu.attention_flops or gpu.dense_flops["bfloat16"] * e.attention,
         allocator_overhead=e.allocator,
         host_bandwidth=gpu.host_bandwidth,
     )
