@@ -173,6 +173,7 @@ class _Stage:
         self.leaves: list[torch.Tensor] | None = None  # gathered parameters, in the program's order
         self.local: list[torch.Tensor] = []
         self.sums: list[torch.Tensor | None] = []  # summed gradient per parameter leaf
+        self.owned: list[bool] = []  # sums[j] is a tensor of the step's own (not autograd's): added into in place
         self.graphs: dict[int, tuple[list, list]] = {}  # micro-batch -> (inputs, outputs) of its forward
         self.received: dict[int, list] = {}  # micro-batch -> received values (tensors or pending works)
         self.cotangents: dict[int, list] = {}  # micro-batch -> received cotangents of its sent values
@@ -280,6 +281,7 @@ def run_actions(
                          for i in program.params]  # fmt: skip
             st.local = [local_leaves[i] for i in program.local]
             st.sums = [None] * len(program.params)
+            st.owned = [False] * len(program.params)
             # Each micro-batch's gradient joins the sum in its buffer's reduce dtype (as the plain
             # step's "full" accumulation does); a layout-invariant step adds them in the canonical tree.
             st.reduce_dtypes = [buffer_of[leaf_index[i]].reduce_dtype for i in program.params]
@@ -430,8 +432,13 @@ def _add_gradients(st: _Stage, grads: list) -> None:
             g = g.to(st.reduce_dtypes[j])
             if st.tree is not None:
                 st.sums[j] = g  # this micro-batch's, for the tree below
-            else:
-                st.sums[j] = g if st.sums[j] is None else st.sums[j] + g
+            elif st.sums[j] is None:
+                st.sums[j] = g
+            elif st.owned[j]:
+                st.sums[j].add_(g)  # the same bits as out of place, without a new buffer per micro-batch
+            else:  # the first sum is autograd's tensor, which may be another leaf's gradient too: a new one
+                st.sums[j] = st.sums[j] + g
+                st.owned[j] = True
     if st.tree is not None:  # every parameter's gradient of this micro-batch, one tree step
         st.tree.add([
             g if g is not None else torch.zeros(p.shape, dtype=d, device=p.device)
