@@ -276,11 +276,17 @@ def pre_collective_cast(issue: fx.Node) -> fx.Node | None:
     return None
 
 
+def offload_copy_ops() -> tuple:
+    """The CPU-offload copy operators (`functional_shard::offload_copy`, `offload_copy_into`;
+    `functional_shard/_offload.py`), those of them registered."""
+    ns = getattr(torch.ops, "functional_shard", None)
+    return tuple(getattr(ns, name).default for name in ("offload_copy", "offload_copy_into") if hasattr(ns, name))
+
+
 def _is_copy_to_device(node: fx.Node) -> bool:
     """A CPU-offloaded shard's copy to the device (in its gather dtype: the cast and the copy
     in one `functional_shard::offload_copy` node), which moves with its all-gather as a cast does."""
-    op = getattr(getattr(torch.ops, "functional_shard", None), "offload_copy", None)
-    return op is not None and node.target is op.default and not node.args[2]
+    return node.target in offload_copy_ops() and len(node.args) > 2 and not node.args[2]
 
 
 def preparation(issue: fx.Node) -> fx.Node:

@@ -17,7 +17,7 @@ import torch
 from torch import fx
 
 from ._context import Pass, PassContext
-from ._graph import _is_view, _schema
+from ._graph import _is_view, _schema, offload_copy_ops
 from ._remat import written_inputs
 
 __all__ = ["Offload", "stream_offload_copies", "offload_copies", "is_offload_copy", "copies_into", "is_to_host", "copy_source"]
@@ -58,20 +58,15 @@ class Offload:
 
 
 
-def _copy_ops() -> tuple:
-    ns = getattr(torch.ops, "functional_shard", None)
-    return tuple(getattr(ns, name).default for name in ("offload_copy", "offload_copy_into") if hasattr(ns, name))
-
-
 def is_offload_copy(node: fx.Node) -> bool:
     """An `offload_copy` or `offload_copy_into` node."""
-    return node.target in _copy_ops()
+    return node.target in offload_copy_ops()
 
 
 def offload_copies(gm: fx.GraphModule) -> list[fx.Node]:
     """The step's host <-> device copies (`offload_copy` nodes, and `offload_copy_into` nodes:
     the donated state's results copied into its own host buffers), in graph order."""
-    ops = _copy_ops()
+    ops = offload_copy_ops()
     return [n for n in gm.graph.nodes if n.target in ops]
 
 
