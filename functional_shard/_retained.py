@@ -20,7 +20,6 @@ cache miss; no running code reads either.
 
 from __future__ import annotations
 
-import itertools
 import linecache
 import re
 import weakref
@@ -38,11 +37,14 @@ class Retained:
     """What tracing adds to torch's process-wide caches from the moment it is made (see the
     module docstring). Single-threaded tracing: what another thread adds meanwhile is noted too."""
 
-    __slots__ = ("first_id", "fake_size", "sources", "fake_keys", "__weakref__")
+    __slots__ = ("first_id", "fake_before", "sources", "fake_keys", "__weakref__")
 
     def __init__(self) -> None:
         self.first_id = fx.graph_module._loader.next_id  # FX numbers its sources in order
-        self.fake_size = len(FakeTensorMode.cache)
+        # The keys there before, not their count: entries are also removed meanwhile (another
+        # graph's release, run by the garbage collector in the middle of a trace), which would
+        # shift a position and hide some of this trace's entries from it for good.
+        self.fake_before: set | None = set(FakeTensorMode.cache)
         self.sources: list[str] = []  # FX loader / linecache keys of generated sources kept
         self.fake_keys: list = []  # keys of FakeTensorMode.cache entries added
 
@@ -70,9 +72,9 @@ class Retained:
 
     def _note(self) -> None:
         self.sources = _sources_since(fx.graph_module._loader, self.first_id)
-        cache = FakeTensorMode.cache
-        # Entries are only ever added (or all cleared): the new ones are the last, in order.
-        self.fake_keys = list(itertools.islice(cache, self.fake_size, None)) if len(cache) >= self.fake_size else []
+        if self.fake_before is not None:  # noted once: the set of earlier keys is not kept with the graph
+            before, self.fake_before = self.fake_before, None
+            self.fake_keys = [key for key in FakeTensorMode.cache if key not in before]
 
 
 def _sources_since(loader, first_id: int) -> list[str]:
