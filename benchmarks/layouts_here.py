@@ -19,6 +19,7 @@ each layout's memory error.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import os
@@ -181,39 +182,53 @@ def label(axes: dict) -> str:
     return " x ".join(f"{k} {v}" for k, v in axes.items())
 
 
-def run(model: str, world, machine, steps: int) -> dict:
-    start = time.perf_counter()
-    plan = fs.analysis.plan_layouts(
+def plan(model: str, machine):
+    return fs.analysis.plan_layouts(
         lambda layers, mesh: build(model, layers, mesh), meta_batch, layers=LAYERS, world_size=4, global_batch=GLOBAL,
         tokens_per_row=LENGTH, machine=machine, budget_bytes=1 << 40, optimizer=OPTIMIZER, schedule=fs.Schedule(),
         space=fs.analysis.LayoutSpace(tp=(1, 2, 4), pp=(1, 2, 4), replicate=(1, 2), remat=(("none", False),),
                                       schedules=("1f1b",), microbatches=(1,)),
         workers=os.cpu_count() or 1,
     )  # fmt: skip
+
+
+def run(model: str, world, machine, steps: int) -> dict:
+    start = time.perf_counter()
+    planned = plan(model, machine)
     planned_s = time.perf_counter() - start
-    rows = []
+    # The same machine without its per-group-size collective curves (every group priced by the
+    # whole world's): what the planner predicted before `calibrate` measured sub-groups.
+    world_curves = plan(model, dataclasses.replace(machine, collective_groups={})) if machine.collective_groups else None
     measured = world.run(measure, model, list(LAYOUTS), steps)[0]
-    for axes, m in zip(LAYOUTS, measured):
-        order = ("pp", "replicate", "fsdp", "tp")
-        want = {k: axes[k] for k in order if axes.get(k, 1) > 1}
-        (c,) = [c for c in plan.candidates if c.axes == want]
-        rows.append(dict(layout=label(want), predicted_s=c.step_s, measured_s=m["step_s"], predicted_bytes=c.peak_bytes,
-                         measured_bytes=m["peak_bytes"], memtracker_bytes=m.get("memtracker_bytes"), why=c.why))  # fmt: skip
-        print(f"  {label(want):<24} predicted {c.step_s * 1e3:8.1f} ms {c.peak_bytes / 2**20:7.2f} MiB | measured "
-              f"{m['step_s'] * 1e3:8.1f} ms {m['peak_bytes'] / 2**20:7.2f} MiB | memory {c.peak_bytes / m['peak_bytes'] - 1:+6.1%}"
-              + (f" (MemTracker {m['memtracker_bytes'] / 2**20:.2f} MiB)" if "memtracker_bytes" in m else ""),
-              flush=True)  # fmt: skip
-    pairs = disagreements = 0
-    for a, b in itertools.combinations(rows, 2):
-        if abs(a["measured_s"] / b["measured_s"] - 1) > 0.10:
-            pairs += 1
-            if (a["measured_s"] < b["measured_s"]) != (a["predicted_s"] < b["predicted_s"]):
-                disagreements += 1
-                print(f"  ranking disagrees: {a['layout']} vs {b['layout']}")
-    worst = max(abs(r["predicted_bytes"] / r["measured_bytes"] - 1) for r in rows)
-    print(f"{model}: {pairs} pairs differ by > 10 % measured, {disagreements} ranked the other way by the planner; "
-          f"largest memory error {worst:.1%}; planned in {planned_s:.0f} s\n", flush=True)  # fmt: skip
-    return dict(model=model, rows=rows, pairs=pairs, disagreements=disagreements, worst_memory_error=worst)
+    out = dict(model=model)
+    for name, candidates in (("", planned), (" (world curves only)", world_curves)):
+        if candidates is None:
+            continue
+        rows = []
+        print(f"{model}{name}:")
+        for axes, m in zip(LAYOUTS, measured):
+            order = ("pp", "replicate", "fsdp", "tp")
+            want = {k: axes[k] for k in order if axes.get(k, 1) > 1}
+            (c,) = [c for c in candidates.candidates if c.axes == want]
+            rows.append(dict(layout=label(want), predicted_s=c.step_s, measured_s=m["step_s"], predicted_bytes=c.peak_bytes,
+                             measured_bytes=m["peak_bytes"], memtracker_bytes=m.get("memtracker_bytes"), why=c.why))  # fmt: skip
+            print(f"  {label(want):<24} predicted {c.step_s * 1e3:8.1f} ms {c.peak_bytes / 2**20:7.2f} MiB | measured "
+                  f"{m['step_s'] * 1e3:8.1f} ms {m['peak_bytes'] / 2**20:7.2f} MiB | memory {c.peak_bytes / m['peak_bytes'] - 1:+6.1%}"
+                  + (f" (MemTracker {m['memtracker_bytes'] / 2**20:.2f} MiB)" if "memtracker_bytes" in m else ""),
+                  flush=True)  # fmt: skip
+        pairs = disagreements = 0
+        for a, b in itertools.combinations(rows, 2):
+            if abs(a["measured_s"] / b["measured_s"] - 1) > 0.10:
+                pairs += 1
+                if (a["measured_s"] < b["measured_s"]) != (a["predicted_s"] < b["predicted_s"]):
+                    disagreements += 1
+                    print(f"  ranking disagrees: {a['layout']} vs {b['layout']}")
+        worst = max(abs(r["predicted_bytes"] / r["measured_bytes"] - 1) for r in rows)
+        print(f"{model}{name}: {pairs} pairs differ by > 10 % measured, {disagreements} ranked the other way by the "
+              f"planner; largest memory error {worst:.1%}; planned in {planned_s:.0f} s\n", flush=True)  # fmt: skip
+        key = "world_curves" if name else "result"
+        out[key] = dict(rows=rows, pairs=pairs, disagreements=disagreements, worst_memory_error=worst)
+    return out
 
 
 def main(argv=None) -> None:
@@ -224,6 +239,9 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     with fs.testing.LocalWorld(4, collective_timeout=120.0, call_timeout=900.0) as world:
         machine = world.run(calibrated)[0]
+        curves = {f"{k}/4": (machine.collective_latency_s[k], machine.collective_bandwidth[k]) for k in machine.collective_bandwidth}
+        for key, (latency, bus) in sorted({**curves, **machine.collective_groups}.items()):
+            print(f"calibrated {key:<18} latency {latency * 1e3:6.2f} ms, bus {bus / 1e6:8.1f} MB/s")
         out = []
         for model in args.models.split(","):
             print(f"{model}: world size 4, {LAYERS} blocks, {GLOBAL} x {LENGTH} tokens, fp32, AdamW")

@@ -527,3 +527,21 @@ def test_gradients_in_place_never_raises_the_peak(world, batch):
     assert peaks["guarded"] <= peaks["cat"], peaks
     # Here the guard matters: rewriting the first unit of the backward as well would raise it.
     assert built["unguarded"] > built["guarded"] and peaks["unguarded"] > peaks["cat"], (built, peaks)
+
+
+def test_collective_groups_price_collectives_over_their_group_size(tmp_path):
+    """A machine with measured curves per group size (`calibrate` on ranks sharing cores: a
+    2-rank gloo ring among 4 ranks is not the 4-rank ring made smaller) prices a collective over
+    that many ranks by them, any other size by the world's; they survive JSON."""
+    import dataclasses
+
+    base = fs.analysis.h100_sxm()
+    machine = dataclasses.replace(base, ranks_per_node=0, collective_groups={"all_gather/2": (1e-3, 1e9)})
+    n = 1 << 20
+    assert machine.collective_seconds("all_gather", n, 2) == pytest.approx(1e-3 + 0.5 * n / 1e9)
+    assert machine.collective_seconds("all_gather", n, 4) == dataclasses.replace(base, ranks_per_node=0).collective_seconds("all_gather", n, 4)
+    assert machine.collective_seconds("all_reduce", n, 2) == dataclasses.replace(base, ranks_per_node=0).collective_seconds("all_reduce", n, 2)
+    machine.save(str(tmp_path / "g.json"))
+    assert fs.analysis.load_machine(str(tmp_path / "g.json")) == machine
+    with pytest.raises(ValueError, match="collective_groups"):
+        dataclasses.replace(base, collective_groups={"all_gather": (1e-3, 1e9)})

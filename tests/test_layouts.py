@@ -163,3 +163,18 @@ def test_space_is_checked():
         fs.analysis.LayoutSpace(remat=(True,))
     with pytest.raises(Exception, match="unknown pipeline schedule"):
         fs.analysis.LayoutSpace(schedules=("2f2b",))
+
+
+def _group_curves(mesh):
+    from functional_shard.analysis._calibrate import _group_collectives
+
+    torch.set_num_threads(1)
+    return _group_collectives(mesh, torch.device("cpu"), (1 << 14, 1 << 18), 3)
+
+
+def test_calibrate_measures_collectives_over_every_group_size_of_the_world(local_world):
+    """At 4 ranks: every collective over the 2-rank groups (both at once), fitted; the same on every rank."""
+    out = local_world(4).run(_group_curves)
+    assert all(o == out[0] for o in out)
+    assert sorted(out[0]) == ["all_gather/2", "all_reduce/2", "reduce_scatter/2"]
+    assert all(latency >= 0 and bus > 0 for latency, bus in out[0].values())

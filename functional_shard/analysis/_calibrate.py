@@ -221,6 +221,7 @@ def calibrate(mesh, *, path: str | None = None, name: str | None = None, quick: 
             points.append((share * full, seconds))
         latency[kind], per_byte = _fit(points)
         bus[kind] = 1.0 / per_byte
+    groups = _group_collectives(mesh, device, sizes[:: 2 if quick else 1], 3 if quick else 21)
     penalty = _overlap(mesh, device, 1 << 22 if quick else 1 << 24)
     issue_fixed, issue_per_byte = _issue_cost(mesh, device, sizes, 3 if quick else 7)
     machine = Machine(
@@ -243,6 +244,7 @@ def calibrate(mesh, *, path: str | None = None, name: str | None = None, quick: 
         op_curves_by_bytes=gpu,
         host_bandwidth=_mean(mesh, _host_bandwidth(device, quick)) if gpu else 0.0,
         shared_compute=1.0 if gpu else _shared_compute(mesh),
+        collective_groups=groups,
     )
     if path is not None and mesh.rank == 0:
         machine.save(path)
@@ -320,6 +322,33 @@ def _cache_share(mesh, device) -> int:
     hosts = [row[1] for row in rows]
     sharing = 1 if gpu else max(hosts.count(h) for h in hosts)
     return int(min(row[0] for row in rows) // sharing)
+
+
+def _group_collectives(mesh, device, sizes, repeat: int) -> dict:
+    """`Machine.collective_groups`: for each group size that divides the world (above 1, below
+    the world), every collective swept over the world cut into groups of that many consecutive
+    ranks, every group running it at once (a mesh axis's groups do in a step), fitted as the
+    world's. Nothing on one rank or a world of prime size."""
+    world = mesh.world_size
+    out: dict = {}
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() != world:
+        return out  # ranks as threads (SimulatedMesh), or a mesh over part of the processes
+    for size in (g for g in range(2, world) if world % g == 0):
+        group, _ = dist.new_subgroups(group_size=size)
+        operations = {
+            "all_gather": lambda full: dist.all_gather_into_tensor(
+                torch.empty(full // 4 // size * size, device=device), torch.empty(full // 4 // size, device=device), group=group),
+            "reduce_scatter": lambda full: dist.reduce_scatter_tensor(
+                torch.empty(full // 4 // size, device=device), torch.ones(full // 4 // size * size, device=device), group=group),
+            "all_reduce": lambda full: dist.all_reduce(torch.ones(full // 4, device=device), group=group),
+        }  # fmt: skip
+        for kind, run in operations.items():
+            share = (size - 1) / size * (2 if kind == "all_reduce" else 1)
+            points = [(share * full, _expected_collective_seconds(mesh, lambda: run(full), repeat)) for full in sizes]
+            latency, per_byte = _fit(points)
+            out[f"{kind}/{size}"] = (latency, 1.0 / per_byte)
+        dist.destroy_process_group(group)
+    return out
 
 
 def _collective_times(mesh, fn, repeat: int) -> list[float]:

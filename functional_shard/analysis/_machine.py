@@ -106,6 +106,12 @@ class Machine:
             rank has its own GPU): the rates above are what a rank computes at while every rank
             computes (`calibrate` measures them so); a rank alone runs up to this many times
             faster. A pipeline's idle ranks give their share to the busy ones (`plan_layouts`).
+        collective_groups: "kind/size" -> (latency s, bus bytes/s) of that collective over
+            groups of `size` ranks, measured with every such group of the world running it at
+            once (`calibrate`: the sub-groups of a mesh's axes run together in a step); a group
+            size not in it is priced by `collective_latency_s` / `collective_bandwidth` (the
+            whole world's). On a GPU cluster the NVLink/network model says it; on ranks
+            sharing cores and a gloo ring a 2-rank group is not a 4-rank one made smaller.
     """
 
     name: str
@@ -131,6 +137,7 @@ class Machine:
     op_curves_by_bytes: bool = False
     host_bandwidth: float = 0.0
     shared_compute: float = 1.0
+    collective_groups: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for field in ("op_seconds", "op_seconds_hot"):
@@ -156,6 +163,14 @@ class Machine:
                 f"Machine.ranks_per_node ({self.ranks_per_node}) needs a positive network_bandwidth between nodes; "
                 f"got {self.network_bandwidth}"
             )
+        groups = {}
+        for key, value in dict(self.collective_groups).items():
+            kind, _, size = str(key).partition("/")
+            latency, bus = (float(v) for v in value)
+            if kind not in ("all_gather", "reduce_scatter", "all_reduce") or not size.isdigit() or latency < 0 or bus <= 0:
+                raise ValueError(f"Machine.collective_groups wants 'kind/size' -> (latency >= 0, bandwidth > 0); got {key!r}: {value!r}")
+            groups[key] = (latency, bus)
+        object.__setattr__(self, "collective_groups", groups)
         if not self.shared_compute >= 1.0:
             raise ValueError(f"Machine.shared_compute must be >= 1 (ranks per compute unit); got {self.shared_compute}")
         if self.allocator_overhead < 0:
@@ -210,14 +225,15 @@ class Machine:
         own NIC (NCCL's channels, one per NIC on a rail-optimized network): `(m - 1) / m * n /
         (g * network_bandwidth)`; latency `latency + network_latency_s * log2(m)`.
         """
-        latency = self.collective_latency_s[kind]
+        world = (self.collective_latency_s[kind], self.collective_bandwidth[kind])
+        latency, bus = self.collective_groups.get(f"{kind}/{group_size}", world)
         if group_size <= 1:
             return latency
         factor = 2 if kind == "all_reduce" else 1
         per_node = self.ranks_per_node
         local = max(1, min(group_size, per_node // max(stride, 1))) if per_node else group_size
         if local >= group_size:
-            return latency + factor * (group_size - 1) / group_size * nbytes / self.collective_bandwidth[kind]
+            return latency + factor * (group_size - 1) / group_size * nbytes / bus
         nodes = math.ceil(group_size / local)
         within = (local - 1) / local * nbytes / self.collective_bandwidth[kind]
         between = (nodes - 1) / nodes * nbytes / (local * self.network_bandwidth)
