@@ -327,27 +327,28 @@ def _cache_share(mesh, device) -> int:
 def _group_collectives(mesh, device, sizes, repeat: int) -> dict:
     """`Machine.collective_groups`: for each group size that divides the world (above 1, below
     the world), every collective swept over the world cut into groups of that many consecutive
-    ranks, every group running it at once (a mesh axis's groups do in a step), fitted as the
-    world's. Nothing on one rank or a world of prime size."""
+    ranks — a mesh `{"replicate": world / size, "fsdp": size}`, whose collectives are the ones a
+    step issues on such groups (gloo's reduce-scatter as fs runs it) — every group running it at
+    once (a mesh axis's groups do in a step), fitted as the world's. Nothing on one rank, a world
+    of prime size, or ranks as threads."""
+    from .._mesh import Mesh, init_mesh
+
     world = mesh.world_size
     out: dict = {}
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() != world:
+    if not isinstance(mesh, Mesh) or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() != world:
         return out  # ranks as threads (SimulatedMesh), or a mesh over part of the processes
     for size in (g for g in range(2, world) if world % g == 0):
-        group, _ = dist.new_subgroups(group_size=size)
+        groups = init_mesh({"replicate": world // size, "fsdp": size})
         operations = {
-            "all_gather": lambda full: dist.all_gather_into_tensor(
-                torch.empty(full // 4 // size * size, device=device), torch.empty(full // 4 // size, device=device), group=group),
-            "reduce_scatter": lambda full: dist.reduce_scatter_tensor(
-                torch.empty(full // 4 // size, device=device), torch.ones(full // 4 // size * size, device=device), group=group),
-            "all_reduce": lambda full: dist.all_reduce(torch.ones(full // 4, device=device), group=group),
-        }  # fmt: skip
+            "all_gather": lambda full: groups.all_gather_flat(torch.empty(full // 4 // size, device=device)),
+            "reduce_scatter": lambda full: groups.reduce_scatter_flat(torch.ones(full // 4 // size * size, device=device)),
+            "all_reduce": lambda full: groups.all_reduce_flat(torch.ones(full // 4, device=device), ("fsdp",)),
+        }
         for kind, run in operations.items():
             share = (size - 1) / size * (2 if kind == "all_reduce" else 1)
             points = [(share * full, _expected_collective_seconds(mesh, lambda: run(full), repeat)) for full in sizes]
             latency, per_byte = _fit(points)
             out[f"{kind}/{size}"] = (latency, 1.0 / per_byte)
-        dist.destroy_process_group(group)
     return out
 
 
