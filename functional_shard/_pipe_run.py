@@ -230,6 +230,7 @@ def run_actions(
     by_unit = {s: sorted({index_of[buffer_of[leaf_index[i]].name] for i in cut.stages[s].params}) for s in stages}
     grads: dict[str, torch.Tensor] = {}
     waits: dict[tuple, list] = {}
+    sent_forward: dict[tuple, list] = {}  # (stage, micro-batch) -> works of its SEND_F, until its RECV_B
     pending: list[tuple[Action, Any]] = []
 
     def flush() -> None:
@@ -243,7 +244,9 @@ def run_actions(
         for (a, tensor), w in zip(pending, works):
             if w is None:
                 continue
-            if a.kind in (K.SEND_F, K.SEND_B):
+            if a.kind is K.SEND_F:  # kept (the work holds the activation) until its cotangent comes back
+                sent_forward.setdefault((a.stage, a.microbatch), []).append(w)
+            elif a.kind is K.SEND_B:
                 p2p.pending_sends.append(w)
             else:
                 waits.setdefault((a.kind, a.stage, a.microbatch), []).append(w)
@@ -258,6 +261,12 @@ def run_actions(
             for w in works:
                 w.wait()
             waited[0] += time.perf_counter_ns() - begin
+        if kind is K.RECV_B:
+            # Micro-batch m's cotangent came back from stage s + 1, which ran its F(m) on the
+            # activation this rank sent: that send is complete (waiting cannot block), and the
+            # activation is let go now rather than at the end of the step (M of them at once).
+            for w in sent_forward.pop((s, m), []):
+                w.wait()
 
     clock = time.perf_counter_ns
     for a in row:
@@ -357,6 +366,7 @@ def run_actions(
         if recorder is not None:
             recorder.events.append((str(a), start + waited[0] - waited_before, clock()))
     flush()
+    p2p.pending_sends.extend(w for works in sent_forward.values() for w in works)  # forward-only runs: no cotangent
     p2p.finish()
     return RunResult(grads, [losses[m] for m in sorted(losses)])
 
