@@ -261,10 +261,11 @@ def run_actions(
             for w in works:
                 w.wait()
             waited[0] += time.perf_counter_ns() - begin
-        if kind is K.RECV_B:
+        if kind is K.RECV_B and works:
             # Micro-batch m's cotangent came back from stage s + 1, which ran its F(m) on the
             # activation this rank sent: that send is complete (waiting cannot block), and the
             # activation is let go now rather than at the end of the step (M of them at once).
+            # (No cotangent received, nothing proves it: such sends are waited at the end.)
             for w in sent_forward.pop((s, m), []):
                 w.wait()
 
@@ -316,7 +317,8 @@ def run_actions(
             inputs = [t.detach().requires_grad_(backward and b.differentiable) for t, b in zip(inputs, program.received)]
             batch = [micro_batches[m][i] for i in program.batch]
             keep = backward and s not in remat
-            run = functools.partial(program.module if program.call is None else program.call, st.leaves, inputs, batch, st.local)
+            call = program.module if program.call is None else program.call
+            run = functools.partial(call, st.leaves, inputs, batch, st.local)
             rng = _rng_state(mesh) if backward and s in remat else None
             with torch.set_grad_enabled(keep):
                 if recorder is not None and backward:
