@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 import torch
 
-from ._pipe_run import saved_bytes, split_bytes
+from ._pipe_saved import saved_bytes, split_bytes
 from ._pytree import tree_flatten
 from ._stages import Cut
 from ._state import StepState

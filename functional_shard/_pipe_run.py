@@ -20,8 +20,11 @@ Gradients add up in the order of the stage's B/W actions: every built-in schedul
 
 `overlap=False` is the oracle: every transfer is issued and waited where its action stands.
 `overlap=True` posts a run of consecutive transfers as one batch (`batch_isend_irecv`, as torch's
-pipelining does) and waits for a received tensor only where an action reads it, and for sends
-at the end of the step: the same values, moved earlier.
+pipelining does) and waits for a received tensor only where an action reads it; a send is
+waited (its tensor let go) as soon as a message that could only have come after its receipt
+arrives — an activation when its cotangent comes back, a cotangent when the previous stage's
+next activation comes (`_backward_sends_proved`) — else at the end of the step: the same
+values, moved earlier.
 """
 
 from __future__ import annotations
@@ -32,16 +35,16 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import _canonical, _random, _split_backward, _tracing
 from ._collectives import ReduceScatterFlat
 from ._layout import Layout
+from ._pipe_saved import Recorder, saved_bytes
 from ._shard import gather_full
 from ._stages import Cut
 from .pipeline import Action, ActionKind, PipelineSchedule
 
-__all__ = ["PointToPoint", "Recorder", "RunResult", "alive_bytes", "run_actions", "saved_bytes", "split_bytes"]
+__all__ = ["PointToPoint", "RunResult", "run_actions"]
 
 K = ActionKind
 
@@ -78,85 +81,6 @@ class PointToPoint:
         for w in self.pending_sends:
             w.wait()
         self.pending_sends = []
-
-
-class Recorder:
-    """What a profiled run records on this rank: each action's start and end (`time.perf_counter_ns`,
-    one clock for every process of the machine), and per stage the bytes autograd saves for each
-    micro-batch's backward (its activations, counted once per storage) and their peak in flight.
-    A micro-batch's bytes change at its I: the saved storages still alive (I frees the graph above
-    the parameters) and the gradients its W needs (`Split.kept_bytes`)."""
-
-    def __init__(self):
-        self.events: list[tuple[str, int, int]] = []  # (action, start ns, end ns)
-        self.saved: dict[tuple[int, int], int] = {}  # (stage, micro-batch) -> bytes held now (from its F)
-        self.refs: dict[tuple[int, int], dict] = {}  # (stage, micro-batch) -> its saved storages (weak)
-        self.live: dict[int, int] = {}  # stage -> bytes in flight now
-        self.peak: dict[int, int] = {}  # stage -> most bytes in flight
-        self.live_count: dict[int, int] = {}
-        self.peak_count: dict[int, int] = {}  # stage -> most micro-batches in flight
-
-    def forward(self, stage: int, microbatch: int, nbytes: int, refs: dict | None = None) -> None:
-        self.saved[stage, microbatch] = nbytes
-        self.refs[stage, microbatch] = refs or {}
-        self.live[stage] = self.live.get(stage, 0) + nbytes
-        self.peak[stage] = max(self.peak.get(stage, 0), self.live[stage])
-        self.live_count[stage] = self.live_count.get(stage, 0) + 1
-        self.peak_count[stage] = max(self.peak_count.get(stage, 0), self.live_count[stage])
-
-    def input_done(self, stage: int, microbatch: int, kept_bytes: int) -> None:
-        held = alive_bytes(self.refs.pop((stage, microbatch))) + kept_bytes
-        self.live[stage] += held - self.saved[stage, microbatch]
-        self.saved[stage, microbatch] = held
-        self.peak[stage] = max(self.peak[stage], self.live[stage])
-
-    def backward_done(self, stage: int, microbatch: int) -> None:
-        self.live[stage] -= self.saved[stage, microbatch]
-        self.live_count[stage] -= 1
-
-
-def saved_bytes(run, refs: dict | None = None):
-    """`(run(), bytes of the distinct storages autograd saves while it runs)`; `refs`, a dict, gets
-    a weak reference and the bytes of each (for `alive_bytes`)."""
-    storages: dict[int, int] = {}
-
-    def pack(t: torch.Tensor):
-        if isinstance(t, torch.Tensor):
-            storage = t.untyped_storage()
-            storages[StorageWeakRef(storage).cdata] = storage.nbytes()
-            if refs is not None:
-                refs[StorageWeakRef(storage).cdata] = (StorageWeakRef(storage), storage.nbytes())
-            # detached: an output saved with its own grad_fn would make a cycle through C++ (node ->
-            # packed tensor -> node) that keeps a node no backward runs (an I's input path after W) alive
-            return t.detach()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = run()
-    return out, sum(storages.values())
-
-
-def alive_bytes(refs: dict) -> int:
-    """The bytes of the storages of `saved_bytes`'s `refs` still alive."""
-    return sum(n for ref, n in refs.values() if not ref.expired())
-
-
-def split_bytes(run, received: list, params: list, last: bool, sent, storages: dict | None = None) -> tuple[int, int]:
-    """A stage's forward `run()` (from `received`, with `params`) then its I, seeded with ones (on
-    fake tensors: the predictions): (bytes the forward saves, bytes its micro-batch holds from I
-    to W — the saved storages I leaves alive and the gradients it keeps for W). `storages`, a
-    dict, gets each saved storage's id -> (bytes, alive after I)."""
-    refs: dict = {}
-    outputs, nbytes = saved_bytes(run, refs)
-    roots = [outputs[0]] if last else [o for o, b in zip(outputs, sent) if b.differentiable]
-    roots = [r for r in roots if r.requires_grad]
-    del outputs
-    inputs = [t for t in received if t.requires_grad]
-    _, split = _split_backward.backward_input(roots, [torch.ones_like(r) for r in roots], inputs, params)
-    del roots
-    if storages is not None:
-        storages.update({k: (n, not ref.expired()) for k, (ref, n) in refs.items()})
-    return nbytes, alive_bytes(refs) + split.kept_bytes()
 
 
 class RunResult(NamedTuple):
@@ -231,6 +155,8 @@ def run_actions(
     grads: dict[str, torch.Tensor] = {}
     waits: dict[tuple, list] = {}
     sent_forward: dict[tuple, list] = {}  # (stage, micro-batch) -> works of its SEND_F, until its RECV_B
+    sent_backward: dict[tuple, list] = {}  # (stage, micro-batch) -> works of its SEND_B, until proved received
+    proves = _backward_sends_proved(schedule, row)
     pending: list[tuple[Action, Any]] = []
 
     def flush() -> None:
@@ -247,7 +173,7 @@ def run_actions(
             if a.kind is K.SEND_F:  # kept (the work holds the activation) until its cotangent comes back
                 sent_forward.setdefault((a.stage, a.microbatch), []).append(w)
             elif a.kind is K.SEND_B:
-                p2p.pending_sends.append(w)
+                sent_backward.setdefault((a.stage, a.microbatch), []).append(w)
             else:
                 waits.setdefault((a.kind, a.stage, a.microbatch), []).append(w)
         pending.clear()
@@ -268,6 +194,10 @@ def run_actions(
             # (No cotangent received, nothing proves it: such sends are waited at the end.)
             for w in sent_forward.pop((s, m), []):
                 w.wait()
+        if kind is K.RECV_F and works:  # sent after the previous stage had received these cotangents
+            for key in proves.get((s, m), ()):
+                for w in sent_backward.pop(key, []):
+                    w.wait()
 
     clock = time.perf_counter_ns
     for a in row:
@@ -368,9 +298,27 @@ def run_actions(
         if recorder is not None:
             recorder.events.append((str(a), start + waited[0] - waited_before, clock()))
     flush()
-    p2p.pending_sends.extend(w for works in sent_forward.values() for w in works)  # forward-only runs: no cotangent
+    p2p.pending_sends.extend(w for sent in (sent_forward, sent_backward) for works in sent.values() for w in works)
     p2p.finish()
     return RunResult(grads, [losses[m] for m in sorted(losses)])
+
+
+def _backward_sends_proved(schedule: PipelineSchedule, row: tuple[Action, ...]) -> dict[tuple, list[tuple]]:
+    """(stage s, micro-batch n) of a RECV_F in `row` -> the (s, m) of this rank's SEND_B that its
+    arrival proves received: stage s - 1 waits micro-batch m's cotangent in its B (or I) of m, and
+    the first activation it sends stage s after that action is posted after the wait, so when it
+    has arrived here the cotangent's send is complete (waiting for it cannot block)."""
+    out: dict[tuple, list[tuple]] = {}
+    for a in row:
+        if a.kind is not K.SEND_B:
+            continue
+        previous = a.stage - 1
+        peer = schedule.actions[schedule.rank_of(previous)]
+        at = next((i for i, b in enumerate(peer) if b.kind in (K.B, K.I) and b.stage == previous and b.microbatch == a.microbatch), None)
+        later = None if at is None else next((b for b in peer[at + 1 :] if b.kind is K.SEND_F and b.stage == previous), None)
+        if later is not None:
+            out.setdefault((a.stage, later.microbatch), []).append((a.stage, a.microbatch))
+    return out
 
 
 def _device(mesh) -> torch.device:

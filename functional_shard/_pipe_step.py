@@ -28,7 +28,8 @@ from ._jit import agree
 from ._layout import make_layout
 from ._mesh import BaseMesh, Mesh, MeshError, PeerError
 from ._pipe_figures import StageFigures
-from ._pipe_run import PointToPoint, Recorder, run_actions
+from ._pipe_run import PointToPoint, run_actions
+from ._pipe_saved import Recorder
 from ._placed import place, resolve_placements
 from ._pytree import tree_flatten, tree_map, tree_paths
 from .initialize import shard_from

@@ -40,7 +40,7 @@ import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from .._losses import StepError
-from .._pipe_run import split_bytes
+from .._pipe_saved import split_bytes
 from .._stages import assign_stages, cut_stages, cut_traced, unit_of_nodes
 from ..pipeline import Pipeline, build_schedule, peak_in_flight
 from ..pipeline._actions import ActionKind
