@@ -23,7 +23,7 @@ Gradients add up in the order of the stage's B/W actions: every built-in schedul
 pipelining does) and waits for a received tensor only where an action reads it; a send is
 waited (its tensor let go) as soon as a message that could only have come after its receipt
 arrives — an activation when its cotangent comes back, a cotangent when the previous stage's
-next activation comes (`_backward_sends_proved`) — else at the end of the step: the same
+next activation comes (`_sends_proved`) — else at the end of the step: the same
 values, moved earlier.
 """
 
@@ -153,10 +153,8 @@ def run_actions(
     # stage -> indices of its buffers in the layout
     by_unit = {s: sorted({index_of[buffer_of[leaf_index[i]].name] for i in cut.stages[s].params}) for s in stages}
     grads: dict[str, torch.Tensor] = {}
-    waits: dict[tuple, list] = {}
-    sent_forward: dict[tuple, list] = {}  # (stage, micro-batch) -> works of its SEND_F, until its RECV_B
-    sent_backward: dict[tuple, list] = {}  # (stage, micro-batch) -> works of its SEND_B, until proved received
-    proves = _backward_sends_proved(schedule, row)
+    waits: dict[tuple, list] = {}  # (kind, stage, micro-batch) of a transfer -> its works, until waited
+    proves = _sends_proved(schedule, row)
     pending: list[tuple[Action, Any]] = []
 
     def flush() -> None:
@@ -168,13 +166,7 @@ def run_actions(
             ops.append(("send" if a.kind in (K.SEND_F, K.SEND_B) else "recv", tensor, peer))
         works = p2p.post(ops)
         for (a, tensor), w in zip(pending, works):
-            if w is None:
-                continue
-            if a.kind is K.SEND_F:  # kept (the work holds the activation) until its cotangent comes back
-                sent_forward.setdefault((a.stage, a.microbatch), []).append(w)
-            elif a.kind is K.SEND_B:
-                sent_backward.setdefault((a.stage, a.microbatch), []).append(w)
-            else:
+            if w is not None:  # a send's work holds its tensor until it is waited
                 waits.setdefault((a.kind, a.stage, a.microbatch), []).append(w)
         pending.clear()
 
@@ -187,17 +179,12 @@ def run_actions(
             for w in works:
                 w.wait()
             waited[0] += time.perf_counter_ns() - begin
-        if kind is K.RECV_B and works:
-            # Micro-batch m's cotangent came back from stage s + 1, which ran its F(m) on the
-            # activation this rank sent: that send is complete (waiting cannot block), and the
-            # activation is let go now rather than at the end of the step (M of them at once).
-            # (No cotangent received, nothing proves it: such sends are waited at the end.)
-            for w in sent_forward.pop((s, m), []):
+        # What arrived proves some of this rank's sends received (`_sends_proved`): they are
+        # complete (waiting cannot block), and their tensors are let go now rather than at the end
+        # of the step. (Nothing received, nothing proved: those sends are waited at the end.)
+        for key in proves.get((kind, s, m), ()) if works else ():
+            for w in waits.pop(key, []):
                 w.wait()
-        if kind is K.RECV_F and works:  # sent after the previous stage had received these cotangents
-            for key in proves.get((s, m), ()):
-                for w in sent_backward.pop(key, []):
-                    w.wait()
 
     clock = time.perf_counter_ns
     for a in row:
@@ -298,26 +285,30 @@ def run_actions(
         if recorder is not None:
             recorder.events.append((str(a), start + waited[0] - waited_before, clock()))
     flush()
-    p2p.pending_sends.extend(w for sent in (sent_forward, sent_backward) for works in sent.values() for w in works)
+    p2p.pending_sends.extend(w for (kind, _, _), works in waits.items() if kind in (K.SEND_F, K.SEND_B) for w in works)
     p2p.finish()
     return RunResult(grads, [losses[m] for m in sorted(losses)])
 
 
-def _backward_sends_proved(schedule: PipelineSchedule, row: tuple[Action, ...]) -> dict[tuple, list[tuple]]:
-    """(stage s, micro-batch n) of a RECV_F in `row` -> the (s, m) of this rank's SEND_B that its
-    arrival proves received: stage s - 1 waits micro-batch m's cotangent in its B (or I) of m, and
-    the first activation it sends stage s after that action is posted after the wait, so when it
-    has arrived here the cotangent's send is complete (waiting for it cannot block)."""
+def _sends_proved(schedule: PipelineSchedule, row: tuple[Action, ...]) -> dict[tuple, list[tuple]]:
+    """(RECV kind, stage, micro-batch) of a receive in `row` -> the (SEND kind, stage, micro-batch)
+    of this rank's sends that its arrival proves received:
+
+    - `SEND_F s m` by `RECV_B s m`: stage s + 1 sends m's cotangent from its backward of m, after
+      its forward of m, which read the activation;
+    - `SEND_B s m` by the `RECV_F s n` of the first activation stage s - 1 sends after its B (or I)
+      of m, which waits for the cotangent before that send is posted."""
     out: dict[tuple, list[tuple]] = {}
     for a in row:
-        if a.kind is not K.SEND_B:
-            continue
-        previous = a.stage - 1
-        peer = schedule.actions[schedule.rank_of(previous)]
-        at = next((i for i, b in enumerate(peer) if b.kind in (K.B, K.I) and b.stage == previous and b.microbatch == a.microbatch), None)
-        later = None if at is None else next((b for b in peer[at + 1 :] if b.kind is K.SEND_F and b.stage == previous), None)
-        if later is not None:
-            out.setdefault((a.stage, later.microbatch), []).append((a.stage, a.microbatch))
+        if a.kind is K.SEND_F:
+            out.setdefault((K.RECV_B, a.stage, a.microbatch), []).append((K.SEND_F, a.stage, a.microbatch))
+        elif a.kind is K.SEND_B:
+            previous = a.stage - 1
+            peer = schedule.actions[schedule.rank_of(previous)]
+            at = next((i for i, b in enumerate(peer) if b.kind in (K.B, K.I) and b.stage == previous and b.microbatch == a.microbatch), None)
+            later = None if at is None else next((b for b in peer[at + 1 :] if b.kind is K.SEND_F and b.stage == previous), None)
+            if later is not None:
+                out.setdefault((K.RECV_F, a.stage, later.microbatch), []).append((K.SEND_B, a.stage, a.microbatch))
     return out
 
 

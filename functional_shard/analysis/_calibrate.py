@@ -205,22 +205,10 @@ def calibrate(mesh, *, path: str | None = None, name: str | None = None, quick: 
     op_seconds = _op_seconds(mesh, device, op_sizes, min_loop_s, cold_pool)
     op_seconds_hot = _op_seconds(mesh, device, op_sizes, min_loop_s, 0)
 
-    latency, bus = {}, {}
-    p = mesh.num_shards
     sizes = (1 << 14, 1 << 20, 1 << 22) if quick else (1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24)
-    operations = {
-        "all_gather": lambda full: mesh.all_gather_flat(torch.empty(full // 4 // p, device=device)),
-        "reduce_scatter": lambda full: mesh.reduce_scatter_flat(torch.ones(full // 4 // p * p, device=device)),
-        "all_reduce": lambda full: mesh.all_reduce_flat(torch.ones(full // 4, device=device), (mesh.shard_axis,)),
-    }
-    for kind, run in operations.items():
-        points = []
-        for full in sizes:
-            seconds = _expected_collective_seconds(mesh, lambda: run(full), 3 if quick else 21)
-            share = (p - 1) / p * (2 if kind == "all_reduce" else 1) if p > 1 else 1.0
-            points.append((share * full, seconds))
-        latency[kind], per_byte = _fit(points)
-        bus[kind] = 1.0 / per_byte
+    curves = _collective_curves(mesh, mesh, device, sizes, 3 if quick else 21)
+    latency = {kind: value[0] for kind, value in curves.items()}
+    bus = {kind: value[1] for kind, value in curves.items()}
     groups = _group_collectives(mesh, device, sizes[:: 2 if quick else 1], 3 if quick else 21)
     penalty = _overlap(mesh, device, 1 << 22 if quick else 1 << 24)
     issue_fixed, issue_per_byte = _issue_cost(mesh, device, sizes, 3 if quick else 7)
@@ -339,16 +327,25 @@ def _group_collectives(mesh, device, sizes, repeat: int) -> dict:
         return out  # ranks as threads (SimulatedMesh), or a mesh over part of the processes
     for size in (g for g in range(2, world) if world % g == 0):
         groups = init_mesh({"replicate": world // size, "fsdp": size})
-        operations = {
-            "all_gather": lambda full: groups.all_gather_flat(torch.empty(full // 4 // size, device=device)),
-            "reduce_scatter": lambda full: groups.reduce_scatter_flat(torch.ones(full // 4 // size * size, device=device)),
-            "all_reduce": lambda full: groups.all_reduce_flat(torch.ones(full // 4, device=device), ("fsdp",)),
-        }
-        for kind, run in operations.items():
-            share = (size - 1) / size * (2 if kind == "all_reduce" else 1)
-            points = [(share * full, _expected_collective_seconds(mesh, lambda: run(full), repeat)) for full in sizes]
-            latency, per_byte = _fit(points)
-            out[f"{kind}/{size}"] = (latency, 1.0 / per_byte)
+        out.update({f"{kind}/{size}": curve for kind, curve in _collective_curves(mesh, groups, device, sizes, repeat).items()})
+    return out
+
+
+def _collective_curves(mesh, on, device, sizes, repeat: int) -> dict:
+    """Each collective over `on`'s shard axis (its groups all running it at once), timed with
+    `mesh` over full buffers of `sizes` bytes and fitted: kind -> (latency s, bus bytes/s)."""
+    p = on.num_shards
+    operations = {
+        "all_gather": lambda full: on.all_gather_flat(torch.empty(full // 4 // p, device=device)),
+        "reduce_scatter": lambda full: on.reduce_scatter_flat(torch.ones(full // 4 // p * p, device=device)),
+        "all_reduce": lambda full: on.all_reduce_flat(torch.ones(full // 4, device=device), (on.shard_axis,)),
+    }
+    out = {}
+    for kind, run in operations.items():
+        share = (p - 1) / p * (2 if kind == "all_reduce" else 1) if p > 1 else 1.0
+        points = [(share * full, _expected_collective_seconds(mesh, lambda: run(full), repeat)) for full in sizes]
+        latency, per_byte = _fit(points)
+        out[kind] = (latency, 1.0 / per_byte)
     return out
 
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ._machine import Machine
+from ._machine import COLLECTIVE_KINDS, Machine
 
 __all__ = ["GPU", "Efficiency", "H100_SXM", "H100_SXM_HBM2E", "A100_SXM_80GB", "FITTED", "cluster_machine"]
 
@@ -212,7 +212,6 @@ def cluster_machine(
     matmul = tuple((f, f / (e.launch_s + f / peak)) for f in (1e6, 1e7, 1e8, 1e9, 1e10, 1e11, 1e12, 1e13))
     memory = tuple((b, b / (e.launch_s + b / hbm)) for b in (1e3, 1e4, 1e5, 1e6, 1e7, 1e8, 1e9, 1e10))
     nvlink = gpu.nvlink_bandwidth * e.bus
-    kinds = ("all_gather", "reduce_scatter", "all_reduce")
     nodes = -(-world_size // ranks_per_node)
     return Machine(
         name=f"{gpu.name}: {world_size} ranks, {ranks_per_node} per node (NVLink), {nodes} node(s), "
@@ -221,8 +220,8 @@ def cluster_machine(
         memory_bandwidth=memory,
         op_overhead_s=e.launch_s,
         view_overhead_s=0.0,
-        collective_latency_s={k: e.collective_latency_s for k in kinds},
-        collective_bandwidth={k: nvlink for k in kinds},
+        collective_latency_s={k: e.collective_latency_s for k in COLLECTIVE_KINDS},
+        collective_bandwidth={k: nvlink for k in COLLECTIVE_KINDS},
         issue_overhead_s=5e-6,
         overlap_penalty=0.1,
         ranks_per_node=ranks_per_node,

@@ -346,9 +346,7 @@ def _p2p_seconds(machine: Machine, nbytes: float, *, stride: int) -> float:
     """One send of `nbytes` to the pipeline neighbour `stride` ranks away: over NVLink within a
     node, else over the network (one NIC per GPU)."""
     same_node = machine.ranks_per_node and stride < machine.ranks_per_node
-    # between two ranks: a 2-rank group's all-gather where the machine measured one, else the world's
-    pair_latency, pair_bus = machine.collective_groups.get(
-        "all_gather/2", (machine.collective_latency_s.get("all_gather", 0.0), machine.collective_bandwidth.get("all_gather", 0.0)))
+    pair_latency, pair_bus = machine.collective_curve("all_gather", 2)  # between two ranks
     bandwidth = pair_bus if same_node or not machine.network_bandwidth else machine.network_bandwidth
     latency = pair_latency + (0.0 if same_node else machine.network_latency_s)
     return latency + nbytes / bandwidth if bandwidth else latency

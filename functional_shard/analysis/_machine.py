@@ -24,6 +24,8 @@ import math
 
 __all__ = ["Machine", "h100_sxm", "load_machine"]
 
+COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce")  # what a Machine prices
+
 
 def _interpolate(points: tuple, x: float, *, log_values: bool = False) -> float:
     """The value at size `x` from (size, value) points sorted by size: interpolated linearly in
@@ -155,7 +157,7 @@ class Machine:
             if not points or any(b <= 0 for _, b in points):
                 raise ValueError(f"Machine.{field} must hold (size, positive rate) pairs; got {getattr(self, field)!r}")
             object.__setattr__(self, field, points)
-        for kind in ("all_gather", "reduce_scatter", "all_reduce"):
+        for kind in COLLECTIVE_KINDS:
             if kind not in self.collective_bandwidth or kind not in self.collective_latency_s:
                 raise ValueError(f"Machine needs a latency and a bandwidth for {kind!r}; got {sorted(self.collective_bandwidth)}")
         if self.ranks_per_node < 0 or (self.ranks_per_node and self.network_bandwidth <= 0):
@@ -167,7 +169,7 @@ class Machine:
         for key, value in dict(self.collective_groups).items():
             kind, _, size = str(key).partition("/")
             latency, bus = (float(v) for v in value)
-            if kind not in ("all_gather", "reduce_scatter", "all_reduce") or not size.isdigit() or latency < 0 or bus <= 0:
+            if kind not in COLLECTIVE_KINDS or not size.isdigit() or latency < 0 or bus <= 0:
                 raise ValueError(f"Machine.collective_groups wants 'kind/size' -> (latency >= 0, bandwidth > 0); got {key!r}: {value!r}")
             groups[key] = (latency, bus)
         object.__setattr__(self, "collective_groups", groups)
@@ -211,6 +213,12 @@ class Machine:
             seconds = max(seconds, flops / rate)
         return max(self.op_overhead_s, seconds)
 
+    def collective_curve(self, kind: str, group_size: int) -> tuple[float, float]:
+        """(latency s, bus bytes/s) of `kind` over `group_size` ranks: the curve measured for that
+        group size (`collective_groups`) where there is one, else the whole world's."""
+        world = (self.collective_latency_s[kind], self.collective_bandwidth[kind])
+        return self.collective_groups.get(f"{kind}/{group_size}", world)
+
     def collective_seconds(self, kind: str, nbytes: int, group_size: int, *, stride: int = 1) -> float:
         """The time of one collective moving a full buffer of `nbytes` over `group_size` ranks
         whose global ranks are `stride` apart (1: neighbours, e.g. a mesh's last axis; a
@@ -225,8 +233,7 @@ class Machine:
         own NIC (NCCL's channels, one per NIC on a rail-optimized network): `(m - 1) / m * n /
         (g * network_bandwidth)`; latency `latency + network_latency_s * log2(m)`.
         """
-        world = (self.collective_latency_s[kind], self.collective_bandwidth[kind])
-        latency, bus = self.collective_groups.get(f"{kind}/{group_size}", world)
+        latency, bus = self.collective_curve(kind, group_size)
         if group_size <= 1:
             return latency
         factor = 2 if kind == "all_reduce" else 1

@@ -159,7 +159,7 @@ def _plan(step: Any, state: Any, figures: list[_StageFigures], machine: Machine,
                   int(f.held * scale), int(f.sent * scale), f.elements)  # fmt: skip
         for i, f in enumerate(figures)
     ]
-    link = machine.collective_groups.get("all_gather/2", (0.0, machine.collective_bandwidth.get("all_gather", 0)))[1] or 1.0
+    link = machine.collective_curve("all_gather", 2)[1] or 1.0
     costs = [
         Costs(forward=s.forward_s, backward=2 * s.forward_s, input_grad=s.forward_s, weight_grad=s.forward_s,
               p2p=s.sent_bytes / link)  # fmt: skip
