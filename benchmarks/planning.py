@@ -56,6 +56,8 @@ class Row(NamedTuple):
     memory_gib: float | None  # published peak memory per GPU (max reserved), GiB; None: not published
     compile: bool = False  # torch.compile of each TransformerBlock (torchtitan's apply_compile): priced with the
     # blocks' memory-bound chains fused (`simulate(..., fused="blocks")`, analysis/_fusion.py)
+    norm: str = "rmsnorm"  # the run's configuration's `norm_type`: "rmsnorm" (eager, as Hugging Face's) or
+    # "fused_rmsnorm" (torchtitan's Triton kernel: one kernel forward, one backward; benchmarks/fused_rmsnorm.py)
 
 
 TABLE1 = "torchtitan docs/performance.md (Dec 2024), Table 1"
@@ -66,12 +68,15 @@ ROWS = (
     Row("8b-h100-8-compile", TABLE1, "llama3_8b", "h100", 8, 2, 8192, "selective op", 6667, 77.0, compile=True),
     Row("8b-h100-128-compile", "torchtitan docs/performance.md (Dec 2024), Table 3", "llama3_8b", "h100", 128, 2, 8192,
         "selective op", 6514, 62.0, compile=True),
+    # The 2024 A100 runs' configurations (torchtitan train_configs/llama3_8b.toml and llama2_13b.toml, April 2024)
+    # set norm_type = "fused_rmsnorm"; the 70B ones (llama2_70b.toml, llama3_70b.toml, written for TP 8, which
+    # fused_rmsnorm did not support then) and the December 2024 H100 ones (llama3_8b.toml) "rmsnorm".
     Row("l3-8b-a100-64", "torchtitan docs/performance.md (2024), Llama 3 table", "llama3_8b", "a100", 64, 1, 8192,
-        "selective op", 2973, None),
+        "selective op", 2973, None, norm="fused_rmsnorm"),
     Row("l2-13b-a100-64-none", "torchtitan docs/performance.md (2024), Llama 2 table", "llama2_13b", "a100", 64, 2, 4096,
-        "none", 2162, None),
+        "none", 2162, None, norm="fused_rmsnorm"),
     Row("l2-13b-a100-64-op", "torchtitan docs/performance.md (2024), Llama 2 table", "llama2_13b", "a100", 64, 2, 4096,
-        "selective op", 1904, None),
+        "selective op", 1904, None, norm="fused_rmsnorm"),
     Row("l2-70b-a100-64-op", "torchtitan docs/performance.md (2024), Llama 2 table", "llama2_70b", "a100", 64, 1, 4096,
         "selective op", 355, None),
     Row("l2-70b-a100-64-full", "torchtitan docs/performance.md (2024), Llama 2 table", "llama2_70b", "a100", 64, 2, 4096,
@@ -90,8 +95,9 @@ def _flash_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     return out.transpose(1, 2).contiguous(), None
 
 
-def build_llama(model: str, sequence: int):
-    """(apply_fn, params) of a Llama of `SHAPES[model]` on the meta device, bf16, flash attention."""
+def build_llama(model: str, sequence: int, norm: str = "rmsnorm"):
+    """(apply_fn, params) of a Llama of `SHAPES[model]` on the meta device, flash attention, its
+    RMSNorms eager (`norm="rmsnorm"`) or one fused kernel each (`"fused_rmsnorm"`)."""
     from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
 
     AttentionInterface.register("fs_fused_attention", _flash_attention)
@@ -99,6 +105,12 @@ def build_llama(model: str, sequence: int):
                          tie_word_embeddings=False, attn_implementation="fs_fused_attention", dtype=torch.float32)
     with torch.device("meta"):
         llama = LlamaForCausalLM(config)
+    if norm == "fused_rmsnorm":
+        from fused_rmsnorm import fuse_rms_norms
+
+        fuse_rms_norms(llama)
+    elif norm != "rmsnorm":
+        raise ValueError(f"norm={norm!r}: expected 'rmsnorm' or 'fused_rmsnorm'")
     return fs.functionalize(llama)
 
 
@@ -118,7 +130,7 @@ def remat_of(remat: str):
 def plan_row(row: Row):
     """(analysis, compiled, planning seconds) of one row's step, planned on an abstract mesh."""
     start = time.perf_counter()
-    apply_fn, params = build_llama(row.model, row.sequence)
+    apply_fn, params = build_llama(row.model, row.sequence, row.norm)
     ids = torch.empty(row.batch, row.sequence, dtype=torch.long, device="meta")
     analysis, compiled = fs.analysis.plan(
         llama_loss(apply_fn), params, (ids, ids), mesh=fs.analysis.AbstractMesh({"fsdp": row.world}),

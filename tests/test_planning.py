@@ -5,6 +5,8 @@
   and in the group's size, never faster than within a node;
 - fused attention is priced at the attention efficiency on the FLOPs a causal kernel does;
 - `Simulation.reserved` is the peak alive times 1 + the allocator overhead;
+- the fused RMSNorm of the A100 rows (benchmarks/fused_rmsnorm.py) has autograd's gradients and
+  traces to one node forward and one backward, priced by the bytes they read and write;
 - slow: torchtitan's Llama 3.1 8B FSDP row (the fit point) planned in under a minute and
   predicted within 5% (TPS) and 10% (memory) of what was published.
 (Selective remat keeping the bits: tests/test_remat.py, `test_selective_remat_*`.)
@@ -126,6 +128,57 @@ def test_reserved_memory_is_the_peak_with_the_allocator_overhead():
         assert simulation.memory.peak == analysis.memory.peak
         assert simulation.reserved == round(analysis.memory.peak * (1 + allocator))
         assert simulation.step_s > 0 and math.isfinite(simulation.step_s)
+
+
+def _fused_rmsnorm():
+    pytest.importorskip("transformers")
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    import fused_rmsnorm
+
+    return fused_rmsnorm
+
+
+def test_the_fused_rmsnorm_has_autograds_gradients_and_is_one_kernel_each_way():
+    """torchtitan's `fused_rmsnorm` (its 2024 A100 configurations) as the planner prices it: the
+    same values and gradients as the eager RMSNorm of Hugging Face's Llama, and one memory-bound
+    node forward and one backward, where the eager norm is about seven each way."""
+    fused = _fused_rmsnorm()
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    eager = LlamaRMSNorm(24, eps=1e-5).double()
+    torch.nn.init.normal_(eager.weight)
+    x = torch.randn(3, 5, 24, dtype=torch.float64, requires_grad=True)
+    module = fused.FusedRMSNorm(eager.weight, eager.variance_epsilon)
+    close = dict(rtol=1e-5, atol=1e-6)  # Hugging Face's norm computes in float32 whatever its input
+    torch.testing.assert_close(module(x), eager(x), **close)
+    g = torch.randn(3, 5, 24, dtype=torch.float64)
+    torch.testing.assert_close(torch.autograd.grad(module(x), (x, eager.weight), g),
+                               torch.autograd.grad(eager(x), (x, eager.weight), g), **close)
+    assert torch.autograd.gradcheck(lambda x, w: fused.fused_rms_norm(x, w, 1e-5), (x, eager.weight.detach().requires_grad_()))
+
+    def step(x, w):
+        return torch.autograd.grad(fused.fused_rms_norm(x, w, 1e-5).sum(), (x, w))
+
+    x = torch.empty(2, 4096, 5120, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    w = torch.empty(5120, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    gm = make_fx(step)(x, w)
+    kernels = [n for n in gm.graph.nodes if "fused_rms_norm" in str(n.target)]
+    assert [str(n.target) for n in kernels] == ["fs_bench._fused_rms_norm.default", "fs_bench._fused_rms_norm_backward.default"]
+    forward, backward = (node_cost(n) for n in kernels)
+    act, rstd = 2 * 4096 * 5120 * 2, 2 * 4096 * 4  # bf16 activation, fp32 inverse RMS per row
+    assert (forward.kind, forward.bytes) == ("normalization", act + 5120 * 2 + act + rstd)  # reads x, w; writes y, rstd
+    assert (backward.kind, backward.bytes) == ("normalization", 3 * act + 2 * 5120 * 2 + rstd)  # g, x, w, rstd -> dx, dw
+    m = A.cluster_machine(A.A100_SXM_80GB)
+    seconds = m.compute_seconds(forward.flops, forward.bytes, kind=forward.kind, numel=forward.numel, dtype=forward.dtype)
+    # memory bound: a launch plus its bytes at the fraction of HBM (the machine's curve interpolates it)
+    assert seconds == pytest.approx(A.FITTED.launch_s + forward.bytes / (A.FITTED.memory * 2.039e12), rel=0.02)
+    with torch.device("meta"):
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        llama = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                             num_attention_heads=4, vocab_size=32))
+    assert fused.fuse_rms_norms(llama) == 2 * 3 + 1
+    assert not any(type(m).__name__ == "LlamaRMSNorm" for m in llama.modules())
 
 
 @pytest.mark.slow
