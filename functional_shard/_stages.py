@@ -9,7 +9,10 @@ flat parameter leaves and the flat batch leaves. Every node of the graph then ge
 - a node reading a parameter-derived value: the latest stage among its inputs (so the residual
   stream flows forward and no value ever flows back);
 - a node that depends on the batch, module buffers and constants only (masks, position ids, the
-  labels' count of tokens): *free* — recomputed by every stage that reads it, never sent.
+  labels' count of tokens): *free* — recomputed by every stage that reads it, never sent;
+- then a computation read only on later stages moves to the earliest of them where fewer bytes
+  cross the boundaries (`_sink`: the parameter-free start of the next stage's first block, such
+  as a Llama RMSNorm's square, mean and rsqrt, instead of sending its result beside the residual).
 
 A value made on stage a and read on stage c > a crosses every boundary between them (relayed by
 the stages in between): the boundary `s -> s+1` carries, in graph order, every value made at or
@@ -310,6 +313,7 @@ def _cut(gm: fx.GraphModule, num_params: int, stage_of_leaf, num_stages: int, in
     assert output is not None
     outs = list(output.args[0])
     last = num_stages - 1
+    _sink(graph, stage, last, set(params))
     # Where each value is read: the latest stage of a consumer (the output is read by the last stage).
     read_last: dict[fx.Node, int] = {}
     for n in graph.nodes:
@@ -348,6 +352,83 @@ def _cut(gm: fx.GraphModule, num_params: int, stage_of_leaf, num_stages: int, in
     random = tuple(stage[n] for n in graph.nodes if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
                    and torch.Tag.nondeterministic_seeded in n.target.tags)  # fmt: skip
     return Cut(tuple(programs), info["weighted"], info["summed"], info["dtype"], random)
+
+
+def _bytes(n: fx.Node) -> int | None:
+    """Bytes of a node's tensor value (None: not a tensor)."""
+    meta = n.meta.get("val")
+    return _numel(meta.shape) * meta.dtype.itemsize if isinstance(meta, torch.Tensor) else None
+
+
+def _movable(n: fx.Node, params: set) -> bool:
+    """A pure aten computation on tensors that reads no parameter directly: computing it on a later
+    stage changes where it runs, not what it computes."""
+    target = n.target
+    if n.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or target.namespace != "aten":
+        return False
+    if target._schema.is_mutable or torch.Tag.nondeterministic_seeded in target.tags or _bytes(n) is None:
+        return False
+    return not any(i in params or _bytes(i) is None for i in n.all_input_nodes)
+
+
+def _sink(graph: fx.Graph, stage: dict, last: int, params: set, depth: int = 12) -> None:
+    """Move computations forward to the stage that reads them where that sends fewer bytes.
+
+    The first rule gives a node the latest stage among its inputs, so a computation on the
+    residual stream alone that the *next* stage's block starts with (a Llama block's RMSNorm up
+    to its weight: square, mean, rsqrt, product) lands on the earlier stage, and the boundary
+    carries its result beside the residual it was computed from: two activations where torch's
+    stage modules send one. Walking the graph backwards, a node every reader of which is on a
+    later stage moves to the earliest of those stages, with those of its ancestors read by
+    nothing else (up to `depth` deep), when the bytes that then cross the boundaries (inputs
+    not already read on that stage) are fewer than the node's own. Where a value is computed
+    never changes what it is: every stage runs the same kernels on the same values."""
+
+    def readers(n: fx.Node) -> list:
+        """n's users whose values are used (a `detach` the trace left unused reads nothing)."""
+        return [u for u in n.users if u.op == "output" or u.users]
+
+    def reach(n: fx.Node, moving: set) -> tuple[int, bool]:
+        """(the latest stage reading n outside `moving`, whether any reader outside it exists)."""
+        others = [u for u in readers(n) if u not in moving]
+        return max((last if u.op == "output" else stage.get(u, _FREE) for u in others), default=_FREE), bool(others)
+
+    def arrive(n: fx.Node, target: int, moving: set, budget: int) -> tuple[int, list]:
+        """(bytes crossing boundaries, nodes to move) for n's value to be read on stage `target`:
+        n sent from its stage, or n moved too and its inputs brought there."""
+        s = stage.get(n, _FREE)
+        if s == _FREE or s >= target:
+            return 0, []
+        latest, others = reach(n, moving)
+        if latest >= target:
+            return 0, []
+        stay = _bytes(n) * (target - max(s, latest))
+        if others or budget == 0 or not _movable(n, params):
+            return stay, []
+        moved, total = [n], 0
+        for i in n.all_input_nodes:
+            cost, more = arrive(i, target, moving | {n, *moved}, budget - 1)
+            total += cost
+            moved += more
+        return (total, moved) if total < stay else (stay, [])
+
+    for n in reversed(list(graph.nodes)):
+        s = stage.get(n, _FREE)
+        if s == _FREE or n.op != "call_function" or not readers(n) or not _movable(n, params):
+            continue
+        target = min(last if u.op == "output" else stage.get(u, _FREE) for u in readers(n))
+        if target <= s:
+            continue
+        total, moved = 0, []
+        for i in n.all_input_nodes:
+            cost, more = arrive(i, target, {n, *moved}, depth)
+            total += cost
+            moved += more
+        if total < _bytes(n) * (target - s):
+            for m in (n, *moved):
+                stage[m] = target
+                for unused in set(m.users) - set(readers(m)):  # computed with its input, wherever that is
+                    stage[unused] = max(stage.get(unused, _FREE), target)
 
 
 def _program(graph, s, stage, received, sent_nodes, params, batch, param_index, batch_index, stage_of_leaf, gm, value) -> StageProgram:

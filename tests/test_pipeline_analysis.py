@@ -237,3 +237,23 @@ def test_a_tied_gpt_plans_with_its_weight_relayed_and_its_cut_composes():
     for r, c in zip(plan.stages, composed):
         assert (c.flops, c.sent, c.elements) == (r.forward_flops, r.sent_bytes, r.param_elements)
         assert abs(c.saved - r.saved_bytes) <= 0.01 * r.saved_bytes and abs(c.seconds - r.forward_s) <= 0.01 * r.forward_s
+
+
+def test_a_cut_sends_one_activation_where_the_next_block_starts_with_a_parameter_free_norm():
+    """A Llama block starts with an RMSNorm whose square, mean, rsqrt and product read the residual
+    stream alone: the stage rule (the latest stage among a node's inputs) would compute them on the
+    earlier stage and send their result beside the residual (two activations per boundary, and two
+    cotangents back, where torch's stage modules send one). They are computed on the stage that
+    reads them: each boundary carries the residual stream only, for every cut and stage count."""
+    loss_fn, params = _llama(layers=4)
+    batch = _batch(8, 16)
+    for axes, stages in (({"pp": 2}, None), ({"pp": 2}, (("input", "model.layers.0"), ("model.layers.1", "model.layers.2",
+                         "model.layers.3", "output"))), ({"pp": 4}, None)):  # fmt: skip
+        step = fs.sharded_step(loss_fn, fs.analysis.AbstractMesh(axes), optimizer=fs.optim.adamw(lr=1e-3), microbatches=4,
+                               pipeline=fs.pipeline.Pipeline("1f1b", stages=stages))  # fmt: skip
+        cut = step.stage_cut(step.init_abstract(params), batch)
+        for program in cut.stages[:-1]:
+            assert [b.shape for b in program.sent] == [(2, 16, 64)], (axes, stages, cut.describe())
+            assert [b.shape for b in cut.stages[program.index + 1].received] == [(2, 16, 64)]
+        assert all("pow" not in str(n.target) for n in cut.stages[0].module.graph.nodes if n.op == "call_function"
+                   and any(u.op == "output" for u in n.users)), cut.describe()  # fmt: skip
