@@ -148,26 +148,58 @@ def machine_of(row: Row, efficiency=None, h100=None):
     return fs.analysis.cluster_machine(gpu, world_size=row.world, network_gbps=gbps, efficiency=efficiency or fs.analysis.FITTED)
 
 
+def eager_checkpoint_cache_bytes(compiled) -> int:
+    """Bytes torch's *eager* selective activation checkpointing holds beyond what the traced step
+    keeps: the outputs its policy saves (torchtitan's op mode: every odd `mm` of a block) that
+    the block's backward never reads (a Llama block's last product, `down_proj`, read only by the
+    residual add). torch's `_CachingTorchDispatchMode` caches a policy op's output during the
+    forward, before anyone knows whether the backward needs it, and holds it until the block's
+    recomputation; fs's remat (a graph pass) and AOTAutograd's partitioner under `torch.compile`
+    keep only what the backward reads. Held from each block's forward to its backward, so all
+    of them are alive where the loss's backward peaks."""
+    from functional_shard.analysis._regions import node_roles
+
+    gm = compiled.graph_module
+    roles = node_roles(gm)
+    products: dict[str, list] = {}
+    for node in gm.graph.nodes:
+        unit = roles.unit.get(node, "")
+        if node.target is torch.ops.aten.mm.default and roles.phase.get(node) == "forward" and unit.startswith("model.layers."):
+            products.setdefault(unit, []).append(node)
+    unread = [n for nodes in products.values() for n in nodes[0::2] if all(roles.phase.get(u) == "forward" for u in n.users)]
+    return sum(n.meta["val"].numel() * n.meta["val"].element_size() for n in unread)
+
+
 class Prediction(NamedTuple):
     """One row predicted."""
 
     tps: float  # tokens per second per GPU
     mfu: float  # FLOPs utilization: the FLOPs the step runs (torch's count, recomputation included) / time / bf16 dense peak
     reserved_gib: float  # peak memory as the caching allocator reserves it
-    allocated_gib: float  # peak bytes alive (the analysis' peak)
+    allocated_gib: float  # peak bytes alive: the analysis' peak, plus torch's eager checkpoint cache where the run has one
     step_s: float  # predicted step time
     exposed_s: float  # communication not hidden behind computation
+
+
+def alive_bytes(row: Row, sim, compiled) -> int:
+    """The row's peak bytes alive: the simulation's peak (the graph's lifetimes, compiled blocks'
+    fused intermediates never allocated), plus the outputs torch's eager selective checkpointing
+    caches for nothing (`eager_checkpoint_cache_bytes`) when the row runs it eagerly (torchtitan
+    compiles each block whole under `torch.compile`: AOTAutograd saves what the backward reads)."""
+    cache = eager_checkpoint_cache_bytes(compiled) if row.remat == "selective op" and not row.compile else 0
+    return sim.memory.peak + cache
 
 
 def predict(row: Row, analysis, compiled, efficiency=None, h100=None) -> Prediction:
     machine = machine_of(row, efficiency, h100)
     sim = fs.analysis.simulate(compiled, machine, fused="blocks" if row.compile else False)
     peak = (h100 or fs.analysis.H100_SXM_HBM2E if row.gpu == "h100" else fs.analysis.A100_SXM_80GB).dense_flops["bfloat16"]
+    alive = alive_bytes(row, sim, compiled)
     return Prediction(
         tps=row.batch * row.sequence / sim.step_s,
         mfu=analysis.flops / sim.step_s / peak,
-        reserved_gib=sim.reserved / 2**30,
-        allocated_gib=sim.memory.peak / 2**30,
+        reserved_gib=alive * (1 + machine.allocator_overhead) / 2**30,
+        allocated_gib=alive / 2**30,
         step_s=sim.step_s,
         exposed_s=sim.exposed_s,
     )
@@ -181,7 +213,8 @@ def fit(row: Row, analysis, compiled, h100=None):
         middle = (low + high) / 2
         tps = predict(row, analysis, compiled, fs.analysis.Efficiency(matmul=middle), h100).tps
         low, high = (middle, high) if tps < row.tps else (low, middle)
-    allocator = row.memory_gib * 2**30 / analysis.memory.peak - 1
+    sim = fs.analysis.simulate(compiled, machine_of(row, None, h100), fused="blocks" if row.compile else False)
+    allocator = row.memory_gib * 2**30 / alive_bytes(row, sim, compiled) - 1
     return (low + high) / 2, allocator
 
 
