@@ -148,28 +148,6 @@ def machine_of(row: Row, efficiency=None, h100=None):
     return fs.analysis.cluster_machine(gpu, world_size=row.world, network_gbps=gbps, efficiency=efficiency or fs.analysis.FITTED)
 
 
-def eager_checkpoint_cache_bytes(compiled) -> int:
-    """Bytes torch's *eager* selective activation checkpointing holds beyond what the traced step
-    keeps: the outputs its policy saves (torchtitan's op mode: every odd `mm` of a block) that
-    the block's backward never reads (a Llama block's last product, `down_proj`, read only by the
-    residual add). torch's `_CachingTorchDispatchMode` caches a policy op's output during the
-    forward, before anyone knows whether the backward needs it, and holds it until the block's
-    recomputation; fs's remat (a graph pass) and AOTAutograd's partitioner under `torch.compile`
-    keep only what the backward reads. Held from each block's forward to its backward, so all
-    of them are alive where the loss's backward peaks."""
-    from functional_shard.analysis._regions import node_roles
-
-    gm = compiled.graph_module
-    roles = node_roles(gm)
-    products: dict[str, list] = {}
-    for node in gm.graph.nodes:
-        unit = roles.unit.get(node, "")
-        if node.target is torch.ops.aten.mm.default and roles.phase.get(node) == "forward" and unit.startswith("model.layers."):
-            products.setdefault(unit, []).append(node)
-    unread = [n for nodes in products.values() for n in nodes[0::2] if all(roles.phase.get(u) == "forward" for u in n.users)]
-    return sum(n.meta["val"].numel() * n.meta["val"].element_size() for n in unread)
-
-
 class Prediction(NamedTuple):
     """One row predicted."""
 
@@ -184,9 +162,10 @@ class Prediction(NamedTuple):
 def alive_bytes(row: Row, sim, compiled) -> int:
     """The row's peak bytes alive: the simulation's peak (the graph's lifetimes, compiled blocks'
     fused intermediates never allocated), plus the outputs torch's eager selective checkpointing
-    caches for nothing (`eager_checkpoint_cache_bytes`) when the row runs it eagerly (torchtitan
+    caches for nothing (`fs.analysis.eager_checkpoint_cache_bytes`) when the row runs it eagerly (torchtitan
     compiles each block whole under `torch.compile`: AOTAutograd saves what the backward reads)."""
-    cache = eager_checkpoint_cache_bytes(compiled) if row.remat == "selective op" and not row.compile else 0
+    eager = row.remat == "selective op" and not row.compile
+    cache = fs.analysis.eager_checkpoint_cache_bytes(compiled, remat_of(row.remat)) if eager else 0
     return sim.memory.peak + cache
 
 

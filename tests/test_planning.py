@@ -196,3 +196,30 @@ def test_the_fitted_fsdp_row_reproduces_its_fit_point():
     assert seconds < 60, seconds
     assert abs(prediction.tps / row.tps - 1) < 0.05, prediction
     assert abs(prediction.reserved_gib / row.memory_gib - 1) < 0.10, prediction
+
+
+def test_eager_checkpoint_cache_is_the_policys_outputs_no_backward_reads():
+    """torch's eager selective checkpointing caches every output its policy saves; fs keeps only
+    what the backward reads. In a Llama block the last product (`down_proj`) feeds only the
+    residual add: cached for nothing in every block but the last (whose output the final norm's
+    backward reads through its recomputation). Nothing when the policy saves no product."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    apply_fn, params = fs.functionalize(model)
+
+    def loss_fn(p, batch):
+        ids, labels = batch
+        return torch.nn.functional.cross_entropy(apply_fn(p, input_ids=ids, use_cache=False).logits.flatten(0, 1), labels.flatten())
+
+    ids = torch.empty(2, 16, dtype=torch.long, device="meta")
+    down_proj = 2 * 16 * 64 * 4  # one block's product output, fp32
+    for policy, expected in ((fs.schedule.RematPolicy(every_other_mm=True), 3 * down_proj),
+                             (fs.schedule.RematPolicy(), 3 * down_proj), (fs.schedule.RematPolicy(save=("sdpa",)), 0)):  # fmt: skip
+        _, compiled = A.plan(loss_fn, params, (ids, ids), mesh=A.AbstractMesh({"fsdp": 2}), optimizer=fs.optim.adamw(1e-3),
+                             schedule=fs.Schedule(remat=policy))  # fmt: skip
+        assert A.eager_checkpoint_cache_bytes(compiled, policy) == expected, policy
+    with pytest.raises(TypeError, match="RematPolicy"):
+        A.eager_checkpoint_cache_bytes(compiled, True)

@@ -31,6 +31,7 @@ from ._machine import load_machine as load_machine
 from ._simulate import Simulation as Simulation
 from ._simulate import simulate as simulate
 from ._analyze import CollectiveCost as CollectiveCost
+from ._eager_checkpoint import eager_checkpoint_cache_bytes as eager_checkpoint_cache_bytes
 from ._analyze import UnitCost as UnitCost
 from ._analyze import analyze as analyze
 from ._memory import MemoryBreakdown as MemoryBreakdown
@@ -49,4 +50,4 @@ from ._timeline import plot_gantt as plot_gantt
 from ._timeline import profile as profile
 from ._timeline import save_chrome_trace as save_chrome_trace
 
-__all__ = ["A100_SXM_80GB", "Efficiency", "FITTED", "GPU", "H100_SXM", "H100_SXM_HBM2E", "cluster_machine", "AbstractMesh", "Analysis", "LayoutCandidate", "LayoutPlan", "LayoutSpace", "plan_layouts", "SearchSpace", "TuneCandidate", "TuneResult", "autotune", "CollectiveCost", "MemoryBreakdown", "Machine", "MemoryEstimate", "PipelineCandidate", "PipelinePlan", "StagePlan", "balance_stages", "pipeline_chrome_trace", "plan_pipeline", "tune_pipeline", "Profile", "Simulation", "TraceEvent", "UnitCost", "abstract_state", "analyze", "calibrate", "chrome_trace", "h100_sxm", "load_machine", "plan", "plot_gantt", "profile", "save_chrome_trace", "simulate"]
+__all__ = ["A100_SXM_80GB", "Efficiency", "FITTED", "GPU", "H100_SXM", "H100_SXM_HBM2E", "cluster_machine", "AbstractMesh", "Analysis", "LayoutCandidate", "LayoutPlan", "LayoutSpace", "plan_layouts", "SearchSpace", "TuneCandidate", "TuneResult", "autotune", "CollectiveCost", "MemoryBreakdown", "Machine", "MemoryEstimate", "PipelineCandidate", "PipelinePlan", "StagePlan", "balance_stages", "pipeline_chrome_trace", "plan_pipeline", "tune_pipeline", "Profile", "Simulation", "TraceEvent", "UnitCost", "abstract_state", "analyze", "calibrate", "chrome_trace", "eager_checkpoint_cache_bytes", "h100_sxm", "load_machine", "plan", "plot_gantt", "profile", "save_chrome_trace", "simulate"]

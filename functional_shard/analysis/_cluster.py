@@ -172,7 +172,7 @@ class Efficiency:
 # (H100_SXM_HBM2E), local batch 2 x 8192 tokens, bf16 compute, fp32 reduce, AdamW, selective op
 # activation checkpointing (RematPolicy(every_other_mm=True)): 5,762 TPS/GPU, 82.4 GiB reserved
 # (of 66.0 GiB alive: the traced step's 62.1 plus the 3.9 GiB torch's eager selective checkpointing
-# caches and never reads, benchmarks/planning.py `eager_checkpoint_cache_bytes`).
+# caches and never reads, `eager_checkpoint_cache_bytes`, analysis/_eager_checkpoint.py).
 # `python benchmarks/planning.py --fit` recomputes both.
 FITTED = Efficiency(matmul=0.666, allocator=0.248)
 
