@@ -169,9 +169,14 @@ def alive_bytes(row: Row, sim, compiled) -> int:
     return sim.memory.peak + cache
 
 
+def simulate_row(row: Row, compiled, machine):
+    """The row's step simulated on `machine`: compiled blocks fused (torchtitan's per-block compile), else eager."""
+    return fs.analysis.simulate(compiled, machine, fused="blocks" if row.compile else False)
+
+
 def predict(row: Row, analysis, compiled, efficiency=None, h100=None) -> Prediction:
     machine = machine_of(row, efficiency, h100)
-    sim = fs.analysis.simulate(compiled, machine, fused="blocks" if row.compile else False)
+    sim = simulate_row(row, compiled, machine)
     peak = (h100 or fs.analysis.H100_SXM_HBM2E if row.gpu == "h100" else fs.analysis.A100_SXM_80GB).dense_flops["bfloat16"]
     alive = alive_bytes(row, sim, compiled)
     return Prediction(
@@ -192,7 +197,7 @@ def fit(row: Row, analysis, compiled, h100=None):
         middle = (low + high) / 2
         tps = predict(row, analysis, compiled, fs.analysis.Efficiency(matmul=middle), h100).tps
         low, high = (middle, high) if tps < row.tps else (low, middle)
-    sim = fs.analysis.simulate(compiled, machine_of(row, None, h100), fused="blocks" if row.compile else False)
+    sim = simulate_row(row, compiled, machine_of(row, None, h100))
     allocator = row.memory_gib * 2**30 / alive_bytes(row, sim, compiled) - 1
     return (low + high) / 2, allocator
 

@@ -405,12 +405,17 @@ def _sink(graph: fx.Graph, stage: dict, last: int, params: set, depth: int = 12)
         stay = _bytes(n) * (target - max(s, latest))
         if others or budget == 0 or not _movable(n, params):
             return stay, []
-        moved, total = [n], 0
+        total, moved = bring(n, target, moving, budget - 1)
+        return (total, [n, *moved]) if total < stay else (stay, [])
+
+    def bring(n: fx.Node, target: int, moving: set, budget: int) -> tuple[int, list]:
+        """(bytes crossing boundaries, ancestors to move along) for n's inputs to be read on `target`."""
+        total, moved = 0, []
         for i in n.all_input_nodes:
-            cost, more = arrive(i, target, moving | {n, *moved}, budget - 1)
+            cost, more = arrive(i, target, moving | {n, *moved}, budget)
             total += cost
             moved += more
-        return (total, moved) if total < stay else (stay, [])
+        return total, moved
 
     for n in reversed(list(graph.nodes)):
         s = stage.get(n, _FREE)
@@ -419,11 +424,7 @@ def _sink(graph: fx.Graph, stage: dict, last: int, params: set, depth: int = 12)
         target = min(last if u.op == "output" else stage.get(u, _FREE) for u in readers(n))
         if target <= s:
             continue
-        total, moved = 0, []
-        for i in n.all_input_nodes:
-            cost, more = arrive(i, target, {n, *moved}, depth)
-            total += cost
-            moved += more
+        total, moved = bring(n, target, set(), depth)
         if total < _bytes(n) * (target - s):
             for m in (n, *moved):
                 stage[m] = target

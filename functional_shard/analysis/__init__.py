@@ -25,13 +25,13 @@ from ._cluster import H100_SXM as H100_SXM
 from ._cluster import H100_SXM_HBM2E as H100_SXM_HBM2E
 from ._cluster import Efficiency as Efficiency
 from ._cluster import cluster_machine as cluster_machine
+from ._eager_checkpoint import eager_checkpoint_cache_bytes as eager_checkpoint_cache_bytes
 from ._machine import Machine as Machine
 from ._machine import h100_sxm as h100_sxm
 from ._machine import load_machine as load_machine
 from ._simulate import Simulation as Simulation
 from ._simulate import simulate as simulate
 from ._analyze import CollectiveCost as CollectiveCost
-from ._eager_checkpoint import eager_checkpoint_cache_bytes as eager_checkpoint_cache_bytes
 from ._analyze import UnitCost as UnitCost
 from ._analyze import analyze as analyze
 from ._memory import MemoryBreakdown as MemoryBreakdown

@@ -19,6 +19,7 @@ an eager torch run of the same policy (benchmarks/planning.py does, for torchtit
 from __future__ import annotations
 
 from ..schedule._remat import _RECOMPUTED_KEY, RematPolicy, _kept_by_policy
+from ._costs import _nbytes
 from ._regions import node_roles
 
 __all__ = ["eager_checkpoint_cache_bytes"]
@@ -43,4 +44,4 @@ def eager_checkpoint_cache_bytes(compiled, policy: RematPolicy) -> int:
         n for n in _kept_by_policy(gm, forward, chosen, policy)
         if all(u in forward for u in n.users)  # read by original forward nodes only: no backward, no recomputation
     ]  # fmt: skip
-    return sum(n.meta["val"].numel() * n.meta["val"].element_size() for n in unread)
+    return sum(_nbytes(n.meta["val"]) for n in unread)

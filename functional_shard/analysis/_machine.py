@@ -242,7 +242,7 @@ class Machine:
         if local >= group_size:
             return latency + factor * (group_size - 1) / group_size * nbytes / bus
         nodes = math.ceil(group_size / local)
-        within = (local - 1) / local * nbytes / self.collective_bandwidth[kind]
+        within = (local - 1) / local * nbytes / bus
         between = (nodes - 1) / nodes * nbytes / (local * self.network_bandwidth)
         return latency + self.network_latency_s * math.log2(nodes) + factor * (within + between)
 
