@@ -21,6 +21,8 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import functional_shard as fs
 from functional_shard import tensor_parallel as tp
@@ -178,3 +180,75 @@ def test_calibrate_measures_collectives_over_every_group_size_of_the_world(local
     assert all(o == out[0] for o in out)
     assert sorted(out[0]) == ["all_gather/2", "all_reduce/2", "reduce_scatter/2"]
     assert all(latency >= 0 and bus > 0 for latency, bus in out[0].values())
+
+
+class _LiveBytes(TorchDispatchMode):
+    """The most bytes of tensor storages alive at once (the `external` ones and every storage an op
+    returns, until freed): what a pipeline rank holds, which torch's MemTracker refuses to follow."""
+
+    def __init__(self, external):
+        super().__init__()
+        self.live, self.now = {}, 0
+        for t in external:
+            self._add(t)
+        self.peak = self.now
+
+    def _add(self, t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in self.live and storage.nbytes():
+            self.live[storage.data_ptr()] = (StorageWeakRef(storage), storage.nbytes())
+            self.now += storage.nbytes()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for key, (ref, n) in list(self.live.items()):
+            if ref.expired():
+                del self.live[key]
+                self.now -= n
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self._add(t)
+        self.peak = max(self.peak, self.now)
+        return out
+
+
+def _pipeline_peak(_):
+    torch.set_num_threads(1)
+    mesh = fs.init_mesh({"pp": 2})
+    with torch.device("cpu"):
+        torch.manual_seed(0)
+        loss_fn, params, _ = _build_real(6, mesh)
+    step = fs.sharded_step(loss_fn, mesh, optimizer=OPTIMIZER, microbatches=4, pipeline=fs.pipeline.Pipeline("1f1b"))
+    ids = torch.randint(0, 256, (8, LENGTH), generator=torch.Generator().manual_seed(1))
+    state = step.init(params)
+    state, _ = step(state, (ids, ids))
+    external = [t for t in fs.tree_leaves(state) if isinstance(t, torch.Tensor)] + [ids]
+    with _LiveBytes(external) as tracker:
+        step(state, (ids, ids))
+    return tracker.peak
+
+
+def _build_real(layers, mesh):
+    config = GPTConfig(**BASE, n_layer=layers)
+    model = GPT(config)
+    apply_fn, params = fs.functionalize(model)
+
+    def loss_fn(p, batch):
+        ids, targets = batch
+        return F.cross_entropy(apply_fn(p, ids).flatten(0, 1), targets.flatten())
+
+    return loss_fn, params, None
+
+
+def test_a_pipeline_of_unsharded_stages_is_predicted_without_gathered_copies(local_world):
+    """`pp 2` in float32: a stage computes on its state's own tensors (nothing gathered beside them);
+    the composed prediction of the largest rank's peak is within 5 % of the measured one (−1.4 %;
+    +8.2 % when it counted a gathered copy of each stage's parameters)."""
+    measured = max(local_world(2).run(_pipeline_peak))
+    (c,) = fs.analysis.plan_layouts(
+        _build_real, batch, layers=6, world_size=2, global_batch=8, tokens_per_row=LENGTH, machine=MACHINE,
+        budget_bytes=1 << 40, optimizer=OPTIMIZER, workers=1,
+        space=fs.analysis.LayoutSpace(tp=(1,), pp=(2,), replicate=(1,), remat=(("none", False),), schedules=("1f1b",),
+                                      microbatches=(2,)),
+    ).candidates  # fmt: skip
+    assert abs(c.peak_bytes / measured - 1) < 0.05, (c.peak_bytes, measured)

@@ -40,7 +40,8 @@ on the `Machine` (`cluster_machine`: a GPU's data sheet, NVLink, the network):
   units (`Machine.shared_compute` > 1: CPU processes on fewer cores), an idle rank's share goes
   to the busy ones: the pipeline takes the longer of its critical path at a lone rank's speed and
   its ranks' work spread over the units. Memory per rank: its
-  layers' state, its stages' gathered parameters, the most in-flight activations and summed
+  layers' state, its stages' gathered parameters (none where the stage is not sharded and no
+  dtype cast is asked: it computes on the state's own tensors), the most in-flight activations and summed
   gradients alive at once (`fs.pipeline.peak_bytes`: walked along the rank's actions, a stage's
   gradients appearing with its first backward), plus the working set on top (the loss's on the
   last stage, a block's backward elsewhere).
@@ -313,6 +314,9 @@ def _piped(tracer: Tracer, axes, dims, p, name, v, m, mb_rows, label, remat, lay
         schedule.compute_only(), [k * slope.activations for k in per_stage],
         [k * slope.reduced + share * intercept.reduced for k, share in zip(per_stage, shares)],
     )  # fmt: skip
+    # A stage not sharded (fsdp 1 within the pipeline) computes on its state's own tensors unless
+    # parameters are cast to another dtype: then nothing is gathered beside the state.
+    copies = f > p or (tracer.precision is not None and tracer.precision.param_dtype is not None)
     steps, exposed, peaks, flops = [], [], [], 0.0
     for rank in range(p):
         k = sum(per_stage[s] for s in held[rank])
@@ -323,7 +327,7 @@ def _piped(tracer: Tracer, axes, dims, p, name, v, m, mb_rows, label, remat, lay
         exposed.append(max(slope.fsdp_s, fsdp - timeline.busy[rank]))
         steps.append(update + exposed[-1])
         state = p * (k * slope.resident + share * intercept.resident)
-        parameters = k * (slope.gathered - slope.reduced) + share * (intercept.gathered - intercept.reduced)
+        parameters = (k * (slope.gathered - slope.reduced) + share * (intercept.gathered - intercept.reduced)) if copies else 0.0
         # the working set on top: the loss's on the last stage (the traced step's most), a block's elsewhere
         working = intercept.transient + slope.transient if has_last else intercept.block_transient + slope.block_transient
         peaks.append(state + parameters + walked[rank] + working)
