@@ -15,8 +15,9 @@ runs (docs/planning.md, "Choosing the layout"): `fs.analysis.plan_layouts` on me
 
 The model is Hugging Face's `LlamaForCausalLM` from a `LlamaConfig` with `num_hidden_layers` set
 per trace, attention as the fused flash kernel (`benchmarks/planning.py`), tensor parallelism by its
-own plan (`hf_rules`) plus a vocabulary-split token embedding, with sequence parallelism and a
-vocabulary-parallel loss, as torchtitan runs it.
+own plan (`hf_rules`) plus a vocabulary-split token embedding, with sequence parallelism and
+torch's vocabulary-parallel loss (`loss_parallel`, the buffers its eager code holds:
+`benchmarks/loss_parallel.py`), as torchtitan runs it; `--loss fs` plans fs's own instead.
 """
 
 from __future__ import annotations
@@ -42,10 +43,16 @@ PRECISION = fs.Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 FULL = (("full", True),)
 
 
-def llama_builder(model: str, sequence: int):
+def llama_builder(model: str, sequence: int, loss: str = "loss_parallel"):
     """`(layers, mesh) -> (loss_fn, params, placements)` for `plan_layouts`: the Llama of `SHAPES[model]`
     with `layers` blocks on the meta device, tensor-parallel (sequence-parallel, vocabulary-parallel
-    loss) over the mesh's `tp` axis when it has one."""
+    loss) over the mesh's `tp` axis when it has one. The vocabulary-parallel loss is torch's
+    `loss_parallel` as torchtitan runs it (`loss="loss_parallel"`, `benchmarks/loss_parallel.py`:
+    the buffers its eager code holds) or fs's `tensor_parallel.vocab_parallel_cross_entropy`
+    (`loss="fs"`)."""
+    if loss not in ("loss_parallel", "fs"):
+        raise ValueError(f"loss={loss!r}: expected 'loss_parallel' or 'fs'")
+    from loss_parallel import loss_parallel_cross_entropy
     from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
 
     AttentionInterface.register("fs_fused_attention", _flash_attention)
@@ -67,6 +74,8 @@ def llama_builder(model: str, sequence: int):
         def loss_fn(p, batch):
             ids, labels = batch
             logits = apply_fn(p, input_ids=ids, use_cache=False).logits.flatten(0, 1).float()
+            if split and loss == "loss_parallel":
+                return loss_parallel_cross_entropy(logits, labels.flatten(), mesh, "tp")
             if split:
                 return tp.vocab_parallel_cross_entropy(logits, labels.flatten(), mesh, "tp")
             return torch.nn.functional.cross_entropy(logits, labels.flatten())
@@ -98,19 +107,19 @@ PUBLISHED = {  # torchtitan benchmarks/llama3_h100_202412_torchtitan.md (torch.c
 }
 
 
-def run(job: str, sequence: int = 8192, budget_gib: float = 80.0, workers: int = 1) -> dict:
+def run(job: str, sequence: int = 8192, budget_gib: float = 80.0, workers: int = 1, loss: str = "loss_parallel") -> dict:
     spec = JOBS[job]
     layers = SHAPES[spec["model"]]["num_hidden_layers"]
     machine = fs.analysis.cluster_machine(fs.analysis.H100_SXM_HBM2E, world_size=spec["world"], network_gbps=400)
     start = time.perf_counter()
     result = fs.analysis.plan_layouts(
-        llama_builder(spec["model"], sequence), token_batch(sequence), layers=layers, world_size=spec["world"],
+        llama_builder(spec["model"], sequence, loss), token_batch(sequence), layers=layers, world_size=spec["world"],
         global_batch=spec["global_batch"], tokens_per_row=sequence, machine=machine, budget_bytes=int(budget_gib * 2**30),
         optimizer=fs.optim.adamw(lr=3e-4, weight_decay=0.1), precision=PRECISION, space=spec["space"],
         peak_flops=fs.analysis.H100_SXM.dense_flops["bfloat16"], workers=workers,
     )  # fmt: skip
     seconds = time.perf_counter() - start
-    print(f"## {job}: {spec['model']} on {spec['world']} GPUs, global batch {spec['global_batch']} x {sequence} "
+    print(f"## {job}: {spec['model']} on {spec['world']} GPUs, global batch {spec['global_batch']} x {sequence}, {loss} loss "
           f"({seconds:.1f} s, {result.traces} traces, {workers} worker{'s' if workers > 1 else ''})\n")
     print(result.table(limit=12 if job == "search-70b" else None))
     rows = []
@@ -130,9 +139,11 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", default=",".join(JOBS))
     parser.add_argument("--json", default="", help="write the results here")
+    parser.add_argument("--loss", default="loss_parallel", choices=("loss_parallel", "fs"),
+                        help="the vocabulary-parallel loss: torch's loss_parallel as torchtitan runs it (default) or fs's")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes tracing at once (default: the cores)")
     args = parser.parse_args(argv)
-    out = [run(job, workers=args.workers) for job in args.jobs.split(",")]
+    out = [run(job, workers=args.workers, loss=args.loss) for job in args.jobs.split(",")]
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(out, indent=1, default=str))
 

@@ -223,3 +223,65 @@ def test_eager_checkpoint_cache_is_the_policys_outputs_no_backward_reads():
         assert A.eager_checkpoint_cache_bytes(compiled, policy) == expected, policy
     with pytest.raises(TypeError, match="RematPolicy"):
         A.eager_checkpoint_cache_bytes(compiled, True)
+
+
+def _loss_parallel():
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    import loss_parallel
+
+    return loss_parallel
+
+
+def _loss_parallel_at_tp2(_):
+    torch.set_num_threads(1)
+    mesh = fs.init_mesh({"tp": 2})
+    x, targets = _logits_and_targets()
+    half = x.shape[1] // 2
+    mine = x[:, mesh.coordinates["tp"] * half :][:, :half].clone().requires_grad_()
+    loss = _loss_parallel().loss_parallel_cross_entropy(mine, targets, mesh, "tp")
+    return loss.detach(), torch.autograd.grad(loss, mine)[0]
+
+
+def _logits_and_targets():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(12, 50, dtype=torch.float64, generator=g)
+    targets = torch.randint(0, 50, (12,), generator=g)
+    targets[3] = -100
+    return x, targets
+
+
+def test_torchs_loss_parallel_as_planned_is_cross_entropy_and_holds_torchs_buffers(local_world):
+    """torch's `loss_parallel` (torchtitan's loss) as the planner traces it: `F.cross_entropy`'s
+    value and gradient, split over 1 and 2 ranks; its backward holds four buffers of the local
+    logits' size at once (the saved log-probabilities, `grad_input`, `grad_input + exp` and the
+    gradient, as torch's eager code does), one more than fs's `vocab_parallel_cross_entropy`."""
+    lp = _loss_parallel()
+    x, targets = _logits_and_targets()
+    full = x.clone().requires_grad_()
+    want = torch.nn.functional.cross_entropy(full, targets)
+    want_grad = torch.autograd.grad(want, full)[0]
+    one = x.clone().requires_grad_()
+    loss = lp.loss_parallel_cross_entropy(one, targets, fs.init_mesh({"tp": 1}), "tp")
+    torch.testing.assert_close(loss, want)
+    torch.testing.assert_close(torch.autograd.grad(loss, one)[0], want_grad)
+    for rank, (loss, grad) in enumerate(local_world(2).run(_loss_parallel_at_tp2)):
+        torch.testing.assert_close(loss, want)
+        torch.testing.assert_close(grad, want_grad[:, rank * 25 : (rank + 1) * 25])
+
+    from functional_shard.schedule._liveness import lifetimes
+
+    mesh, tokens, vocab = fs.analysis.AbstractMesh({"tp": 2}), 64, 1000
+
+    def buffers(loss_fn) -> float:  # the most bytes alive at once, in logits of [tokens, vocab] fp32
+        def step(x, t):
+            return torch.autograd.grad(loss_fn(x, t, mesh, "tp"), x)
+
+        x = torch.empty(tokens, vocab, device="meta", requires_grad=True)
+        gm = make_fx(step)(x, torch.empty(tokens, dtype=torch.long, device="meta"))
+        nodes = list(gm.graph.nodes)
+        _, first, last, size, _ = lifetimes(nodes)
+        return max(sum(size[k] for k in size if first[k] <= i <= last[k]) for i in range(len(nodes))) / (tokens * vocab * 4)
+
+    # the logits themselves (an input here) and four; fs's own loss: the logits and three
+    assert buffers(lp.loss_parallel_cross_entropy) == pytest.approx(5, abs=0.01)
+    assert buffers(fs.tensor_parallel.vocab_parallel_cross_entropy) == pytest.approx(4, abs=0.01)
