@@ -24,15 +24,15 @@ class StageFigures:
     def saved_per_microbatch(self, cut: Cut, batch: Any) -> dict:
         """Stage -> bytes one micro-batch's forward saves for its backward, on fake tensors (every
         stage, not only this rank's: no memory, no collective)."""
-        return self._fake_stages(cut, batch, lambda p, run, params, received: saved_bytes(run)[1])
+        return self._fake_stages(cut, batch, lambda p, run, params, received, persistent: saved_bytes(run, None, persistent)[1])
 
     def split_bytes_per_microbatch(self, cut: Cut, batch: Any) -> dict:
         """Stage -> (bytes one micro-batch's forward saves, bytes it holds from its I to its W: the
         saved values its I leaves alive and the gradients it keeps for W), on fake tensors; one
         forward per stage gives both (`saved_per_microbatch`'s figure is the first)."""
         last = self.num_stages - 1
-        return self._fake_stages(cut, batch, lambda p, run, params, received: split_bytes(
-            run, received, params, p.index == last, p.sent))  # fmt: skip
+        return self._fake_stages(cut, batch, lambda p, run, params, received, persistent: split_bytes(
+            run, received, params, p.index == last, p.sent, persistent=persistent))  # fmt: skip
 
     def _fake_stages(self, cut: Cut, batch: Any, measure: Callable) -> dict:
         from torch._subclasses.fake_tensor import FakeTensorMode
@@ -49,7 +49,7 @@ class StageFigures:
                 # run(): the program on these inputs; run(call): `call` (an fx.Interpreter's run, say) on them
                 run = lambda call=p.module: call(params, received, batch_leaves, local)  # noqa: E731
                 with torch.enable_grad():
-                    out[p.index] = measure(p, run, params, received)
+                    out[p.index] = measure(p, run, params, received, params + batch_leaves + local)
         return out
 
     def stage_param_elements(self, stage_of_leaf: list | None = None) -> dict:

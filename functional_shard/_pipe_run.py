@@ -240,7 +240,7 @@ def run_actions(
             with torch.set_grad_enabled(keep):
                 if recorder is not None and backward:
                     refs: dict = {}
-                    outputs, nbytes = saved_bytes(run, refs)
+                    outputs, nbytes = saved_bytes(run, refs, [*st.leaves, *batch, *st.local])
                     if not keep:  # rematerialized: only its inputs are held until its backward
                         nbytes, refs = sum(t.untyped_storage().nbytes() for t in inputs), {}
                     recorder.forward(s, m, nbytes, refs)

@@ -47,14 +47,20 @@ class Recorder:
         self.live_count[stage] -= 1
 
 
-def saved_bytes(run, refs: dict | None = None):
+def saved_bytes(run, refs: dict | None = None, persistent=()):
     """`(run(), bytes of the distinct storages autograd saves while it runs)`; `refs`, a dict, gets
-    a weak reference and the bytes of each (for `alive_bytes`)."""
+    a weak reference and the bytes of each (for `alive_bytes`). Storages of the `persistent`
+    tensors (the stage's parameters, buffers and batch: alive for the whole step whatever the
+    micro-batches do) are not counted: a micro-batch's forward that saves a weight for its
+    backward holds no bytes of its own for it."""
     storages: dict[int, int] = {}
+    skip = {StorageWeakRef(t.untyped_storage()).cdata for t in persistent if isinstance(t, torch.Tensor)}
 
     def pack(t: torch.Tensor):
         if isinstance(t, torch.Tensor):
             storage = t.untyped_storage()
+            if StorageWeakRef(storage).cdata in skip:
+                return t.detach()
             storages[StorageWeakRef(storage).cdata] = storage.nbytes()
             if refs is not None:
                 refs[StorageWeakRef(storage).cdata] = (StorageWeakRef(storage), storage.nbytes())
@@ -73,13 +79,14 @@ def alive_bytes(refs: dict) -> int:
     return sum(n for ref, n in refs.values() if not ref.expired())
 
 
-def split_bytes(run, received: list, params: list, last: bool, sent, storages: dict | None = None) -> tuple[int, int]:
+def split_bytes(run, received: list, params: list, last: bool, sent, storages: dict | None = None,
+                persistent=()) -> tuple[int, int]:  # fmt: skip
     """A stage's forward `run()` (from `received`, with `params`) then its I, seeded with ones (on
     fake tensors: the predictions): (bytes the forward saves, bytes its micro-batch holds from I
     to W — the saved storages I leaves alive and the gradients it keeps for W). `storages`, a
-    dict, gets each saved storage's id -> (bytes, alive after I)."""
+    dict, gets each saved storage's id -> (bytes, alive after I); `persistent`: as `saved_bytes`."""
     refs: dict = {}
-    outputs, nbytes = saved_bytes(run, refs)
+    outputs, nbytes = saved_bytes(run, refs, persistent)
     roots = [outputs[0]] if last else [o for o, b in zip(outputs, sent) if b.differentiable]
     roots = [r for r in roots if r.requires_grad]
     del outputs

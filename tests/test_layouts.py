@@ -21,10 +21,9 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import functional_shard as fs
+from _memory import AliveBytes
 from functional_shard import tensor_parallel as tp
 from functional_shard.models import GPT, GPTConfig
 
@@ -182,36 +181,6 @@ def test_calibrate_measures_collectives_over_every_group_size_of_the_world(local
     assert all(latency >= 0 and bus > 0 for latency, bus in out[0].values())
 
 
-class _LiveBytes(TorchDispatchMode):
-    """The most bytes of tensor storages alive at once (the `external` ones and every storage an op
-    returns, until freed): what a pipeline rank holds, which torch's MemTracker refuses to follow."""
-
-    def __init__(self, external):
-        super().__init__()
-        self.live, self.now = {}, 0
-        for t in external:
-            self._add(t)
-        self.peak = self.now
-
-    def _add(self, t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in self.live and storage.nbytes():
-            self.live[storage.data_ptr()] = (StorageWeakRef(storage), storage.nbytes())
-            self.now += storage.nbytes()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for key, (ref, n) in list(self.live.items()):
-            if ref.expired():
-                del self.live[key]
-                self.now -= n
-        for t in torch.utils._pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                self._add(t)
-        self.peak = max(self.peak, self.now)
-        return out
-
-
 def _pipeline_peak(_):
     torch.set_num_threads(1)
     mesh = fs.init_mesh({"pp": 2})
@@ -222,10 +191,10 @@ def _pipeline_peak(_):
     ids = torch.randint(0, 256, (8, LENGTH), generator=torch.Generator().manual_seed(1))
     state = step.init(params)
     state, _ = step(state, (ids, ids))
-    external = [t for t in fs.tree_leaves(state) if isinstance(t, torch.Tensor)] + [ids]
-    with _LiveBytes(external) as tracker:
+    external = {t.untyped_storage()._cdata: t for t in [*fs.tree_leaves(state), ids] if isinstance(t, torch.Tensor)}
+    with AliveBytes(external.values()) as tracker:
         step(state, (ids, ids))
-    return tracker.peak
+    return tracker.peak + sum(t.untyped_storage().nbytes() for t in external.values())
 
 
 def _build_real(layers, mesh):

@@ -9,8 +9,9 @@ min(P, M) = 2 on both, and the prediction is within 10% of what is measured (in 
 1%). A zero-bubble micro-batch holds something else from its I to its W: the saved storages I
 leaves alive (the last stage frees the loss's log-softmax) and the gradients W starts from (one
 per node where a parameter joins the input path: `_split_backward`), on GPT's last stage 97% +
-37% of what the forward saved; predicted by running I on fake tensors. Stage 0 (no input path)
-holds its forward's bytes until W.
+64% of what the forward saved; predicted by running I on fake tensors. Stage 0 (no input path)
+holds its forward's bytes until W. The weights a forward saves for its backward are the stage's
+own tensors, held once for the step: no micro-batch's bytes count them.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import functional_shard as fs
+from _memory import AliveBytes
 from functional_shard.models import GPT, GPTConfig
 
 M = 4
@@ -63,8 +65,48 @@ def test_in_flight_activations_measured_and_predicted():
         if schedule != "gpipe":
             assert all(v <= 2 for v in peaks.values())  # <= P micro-batches per stage
     # ZB-H1's last stage: 2 micro-batches between I and W, each holding what its I left alive
-    # (measured 97% of its forward's bytes) and the gradients its W starts from (37%)
+    # (measured 97% of its forward's bytes) and the gradients its W starts from (64%)
     _, _, measured, _, saved = results[1]["zb_h1"]
-    assert 2 * 1.2 * saved[1] <= measured[1] <= 2 * 1.5 * saved[1], (measured[1], saved[1])
+    assert 2 * 1.5 * saved[1] <= measured[1] <= 2 * 1.75 * saved[1], (measured[1], saved[1])
     _, _, measured, _, saved = results[0]["zb_h1"]
     assert measured[0] == 2 * saved[0] or abs(measured[0] - 2 * saved[0]) <= 0.01 * measured[0]  # stage 0: all until W
+
+
+def _peak_and_plan(mesh):
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, block_size=128, n_layer=4, n_head=2, d_model=64, tie_weights=False))
+    apply_fn, params = fs.functionalize(model)
+
+    def loss_fn(p, batch):
+        x, y = batch
+        return F.cross_entropy(apply_fn(p, x).flatten(0, 1), y.flatten())
+
+    step = fs.sharded_step(loss_fn, mesh, optimizer=fs.optim.adamw(lr=1e-3), microbatches=M, pipeline="1f1b")
+    x = torch.randint(0, 64, (4 * M, 128), generator=torch.Generator().manual_seed(0))
+    batch = (x, torch.roll(x, -1, 1))
+    state, _ = step(step.init(params), batch)
+    external = {t.untyped_storage()._cdata: t for t in [*fs.tree_leaves(state), *batch] if isinstance(t, torch.Tensor)}
+    with AliveBytes(external.values()) as tracker:
+        step(state, batch)
+    measured = tracker.peak + sum(t.untyped_storage().nbytes() for t in external.values())
+    plan = fs.analysis.plan_pipeline(step, state, batch)
+    # one token per micro-batch: activations far below the weights the forward saves
+    tiny = (x[:M, :1], x[:M, :1])
+    saved = step.saved_per_microbatch(step.stage_cut(state, tiny), tiny)
+    weights = {s: 4 * n for s, n in step.stage_param_elements().items()}
+    return mesh.coordinates["pp"], measured, plan.peak_bytes, saved, weights
+
+
+def test_a_ranks_peak_is_predicted_with_its_weights_held_once():
+    """`plan_pipeline`'s peak per rank (state, in-flight activations, summed gradients) against the
+    bytes alive at once in a real 1F1B step at `{"pp": 2}` in float32, where the pipeline's
+    activations make the peak: within 10 % (-4 %, -3 %). The weights a micro-batch's forward saves
+    for its backward are the stage's own tensors (at fsdp 1 and no cast, the state's), held once
+    for the step: a micro-batch of one token saves a small fraction of its stage's weights' bytes
+    (every weight's bytes, and more, when they were counted per micro-batch: +5 % on rank 0's peak)."""
+    with fs.testing.LocalWorld(2, axes={"pp": 2}) as world:
+        results = world.run(_peak_and_plan)
+    for rank, measured, predicted, saved, weights in results:
+        assert abs(predicted[rank] / measured - 1) < 0.10, (rank, predicted[rank], measured)
+        assert all(saved[s] < 0.25 * weights[s] for s in saved), (saved, weights)

@@ -197,7 +197,7 @@ def _measure(step: Any, cut, stage_of_leaf: list, batch: Any, machine: Machine, 
     last, num_params = len(cut.stages) - 1, len(stage_of_leaf)
     elements = step.stage_param_elements(stage_of_leaf)
 
-    def measure(p, run, params, received):
+    def measure(p, run, params, received, persistent):
         keys: dict = {}
         storages: dict = {}
 
@@ -208,7 +208,7 @@ def _measure(step: Any, cut, stage_of_leaf: list, batch: Any, machine: Machine, 
             finally:
                 interpreter.env.clear()
 
-        held = split_bytes(lambda: run(call), received, params, p.index == last, p.sent, storages)[1]
+        held = split_bytes(lambda: run(call), received, params, p.index == last, p.sent, storages, persistent)[1]
         return keys, storages, held
 
     measured = step._fake_stages(cut, batch, measure)

@@ -187,12 +187,15 @@ def _plan(step: Any, state: Any, figures: list[_StageFigures], machine: Machine,
             if s.stage > 0 and compute.rank_of(s.stage - 1) != r:
                 out += stages[s.stage - 1].sent_bytes * m  # cotangents of what it received
         p2p.append(out)
+    # Unsharded stages (fsdp 1) with no dtype cast compute on the state's own tensors: no gathered
+    # copy beside them (their summed gradients are still walked).
+    copies = fsdp > 1 or (step.precision is not None and step.precision.param_dtype is not None)
     return PipelinePlan(
         compute.name, step.num_ranks, m, tuple(stages), analysis.makespan, tuple(analysis.bubble), tuple(peaks),
         tuple(round(sum(per_stage[s.stage] for s in held[r])) for r in ranks),
         states, gathered_bytes,
         tuple(p2p), per_element, fsdp,
-        tuple(state + gathered // 2 + round(w) for state, gathered, w in zip(states, gathered_bytes, walked)),
+        tuple(state + (gathered // 2 if copies else 0) + round(w) for state, gathered, w in zip(states, gathered_bytes, walked)),
     )  # fmt: skip
 
 
