@@ -9,9 +9,11 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._pipe_saved import saved_bytes, split_bytes
-from ._pytree import tree_flatten
+from ._pytree import tree_flatten, tree_unflatten
 from ._stages import Cut
 from ._state import StepState
 
@@ -74,6 +76,50 @@ class StageFigures:
                         if isinstance(t, torch.Tensor) and t.dim() > 0)  # fmt: skip
         return round(shard + optimizer / elements + shard)
 
+    def update_bytes(self, state: StepState) -> tuple[float, float]:
+        """What the optimizer's update makes and holds at once beside its inputs (new moments and
+        parameters, temporaries), as `(bytes per element of all the rank's buffers, bytes per
+        element of its largest buffer)`: an elementwise optimizer copies every buffer's state
+        (out of place) and works one buffer at a time (AdamW: 3 copies plus 2 temporaries of the
+        largest, in float32 units; in place, when donated, the temporaries only). Fitted on two
+        runs of `optimizer.apply` on meta tensors (no memory; the 0-dim leaves, a step count, real,
+        at 1): one buffer, and the same elements as two. Local: no collective (run without the
+        mesh: a clipping norm is a rank's alone, the same bytes). An optimizer that cannot run on
+        synthetic buffers (parameter groups by name) is measured on this rank's own shards, every
+        byte counted per element."""
+        dtype = next((m.dtype for m in self._meta if m.dtype.is_floating_point), torch.float32)
+        n = 1 << 12
+        try:
+            one = self._made_by_update({"a": torch.empty(2 * n, dtype=dtype, device="meta")}, None)
+            two = self._made_by_update({"a": torch.empty(n, dtype=dtype, device="meta"),
+                                        "b": torch.empty(n, dtype=dtype, device="meta")}, None)  # fmt: skip
+            largest = (one - two) / n  # the largest buffer: 2n elements, then n
+            return max(0.0, one / (2 * n) - largest), max(0.0, largest)
+        except Exception:  # noqa: BLE001 - e.g. parameter groups naming leaves: this rank's own buffers
+            layout = state.params.layout
+            params = {spec.name: torch.empty(s.shape, dtype=s.dtype, device="meta")
+                      for spec, s in zip(layout.buffers, state.params.shards) if spec.trainable}  # fmt: skip
+            elements = sum(t.numel() for t in params.values())
+            made = self._made_by_update(params, state.opt_state, self._leaf_layout(layout))
+            return (made / elements if elements else 0.0), 0.0
+
+    def _made_by_update(self, params: dict, opt_state: Any, leaves=None) -> int:
+        """The most bytes `optimizer.apply` makes and holds at once beside its inputs, on meta
+        tensors (`opt_state`: this rank's, made meta; None: `optimizer.init(params)`)."""
+        if opt_state is None:
+            opt_state = self.optimizer.init(params)
+        flat, spec = tree_flatten(opt_state)
+        opt_state = tree_unflatten(spec, [
+            (torch.ones((), dtype=t.dtype) if t.dim() == 0 else torch.empty(t.shape, dtype=t.dtype, device="meta"))
+            if isinstance(t, torch.Tensor) else t for t in flat
+        ])  # fmt: skip
+        grads = {k: torch.empty_like(t) for k, t in params.items()}
+        inputs = [*params.values(), *grads.values(), *(t for t in tree_flatten(opt_state)[0] if isinstance(t, torch.Tensor))]
+        with _MadeBytes(inputs) as made:
+            self.optimizer.apply(grads, opt_state, params, self.optimizer.scalars(opt_state), inplace=self.donate,
+                                 mesh=None, **({} if leaves is None else {"leaves": leaves}))  # fmt: skip
+        return made.peak
+
     def gather_bytes_per_element(self) -> int:
         """Bytes per parameter element of a stage while it runs: its gathered leaves and their summed gradient."""
         return 2 * max((m.dtype.itemsize for m in self._meta if m.dtype.is_floating_point), default=4)
@@ -81,3 +127,26 @@ class StageFigures:
     def batch_rows(self, batch: Any) -> int:
         """The leading dimension of the batch's tensors (what micro-batches cut)."""
         return next(t.shape[0] for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor))
+
+
+
+class _MadeBytes(TorchDispatchMode):
+    """The most bytes of storages made by ops under this mode alive at once (each storage once,
+    however many views; the `inputs`' storages never counted, even when an op returns them)."""
+
+    def __init__(self, inputs):
+        super().__init__()
+        self.inputs = {StorageWeakRef(t.untyped_storage()).cdata for t in inputs}
+        self.alive: dict = {}
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                ref = StorageWeakRef(t.untyped_storage())
+                if ref.cdata not in self.inputs:
+                    self.alive.setdefault(ref.cdata, (ref, t.untyped_storage().nbytes()))
+        self.alive = {k: v for k, v in self.alive.items() if not v[0].expired()}
+        self.peak = max(self.peak, sum(n for _, n in self.alive.values()))
+        return out

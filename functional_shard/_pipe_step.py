@@ -344,10 +344,10 @@ class PipelineStep(StageFigures):
         if self.canonical is not None:
             sums = self._canonical_sums(cut, result.losses)
             if cut.weighted:
-                mean_loss, grads = (sums[0] / sums[1]).reshape(()), {n: g / sums[1].to(g.dtype) for n, g in result.grads.items()}
+                mean_loss, grads = (sums[0] / sums[1]).reshape(()), _divided(result.grads, lambda g: g / sums[1].to(g.dtype))
             else:
                 count = self.canonical.chunks
-                mean_loss, grads = sums[0].reshape(()), {n: g / count if count != 1 else g for n, g in result.grads.items()}
+                mean_loss, grads = sums[0].reshape(()), _divided(result.grads, lambda g: g / count if count != 1 else g)
             loss = mean_loss
             if result.losses:
                 loss = (sum(v[1].float() for v in result.losses) / len(result.losses)).reshape(())
@@ -355,11 +355,11 @@ class PipelineStep(StageFigures):
         sums = self._sums(cut, result.losses)
         if cut.weighted:
             mean_loss = (sums[1] / sums[2]).reshape(())
-            grads = {n: g / sums[2].to(g.dtype) for n, g in result.grads.items()}
+            grads = _divided(result.grads, lambda g: g / sums[2].to(g.dtype))
         else:
             count = mesh.data_size * self.microbatches
             mean_loss = (sums[0] / count).reshape(())
-            grads = {n: g / count if count != 1 else g for n, g in result.grads.items()}
+            grads = _divided(result.grads, lambda g: g / count if count != 1 else g)
         loss = mean_loss
         if result.losses:
             loss = (sum(v[1].float() for v in result.losses) / len(result.losses)).reshape(())
@@ -492,3 +492,9 @@ class PipelineProfile(NamedTuple):
     in_flight_bytes: dict  # stage -> most bytes of saved activations held at once, measured
     predicted_bytes: dict  # stage -> the same, predicted: the schedule walked at bytes per micro-batch (fake tensors)
     saved_per_microbatch: dict  # stage -> bytes one micro-batch's forward saves, predicted on fake tensors
+
+
+def _divided(sums: dict, divide) -> dict:
+    """`{name: divide(sum)}`, emptying `sums` as it goes: each summed gradient is let go as soon as
+    its mean exists, so the update holds one gradient per buffer, not the sums beside the means."""
+    return {name: divide(sums.pop(name)) for name in list(sums)}

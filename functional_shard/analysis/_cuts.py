@@ -111,7 +111,8 @@ class UnitTable:
             # a stage receiving no gradient-carrying value has no I: its W is the whole backward, all saved held
             held = sum(alive.values()) + sum(r.kept for r in rows) + sum(j[1] for j in joined) if rows[0].differentiable else nbytes
             sent = rows[-1].sent if b < len(self.units) else 0
-            self._stages[a, b] = _StageFigures(flops, seconds, nbytes, held, sent, sum(r.elements for r in rows))
+            self._stages[a, b] = _StageFigures(flops, seconds, nbytes, held, sent, sum(r.elements for r in rows),
+                                               max(r.elements for r in rows))  # fmt: skip
         return self._stages[a, b]
 
     def figures(self, bounds: Sequence[tuple[int, int]]) -> list[_StageFigures]:

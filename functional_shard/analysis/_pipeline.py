@@ -56,8 +56,10 @@ class PipelinePlan(NamedTuple):
     bytes_per_element: int  # state bytes per parameter element (param + Adam moments + gradient)
     fsdp: int  # ranks each stage's parameters are sharded over
     # per rank: state + gathered parameters + the most in-flight activations and summed gradients
-    # alive at once (`fs.pipeline.peak_bytes`: a stage's gradients appear with its first backward)
+    # alive at once (`fs.pipeline.peak_bytes`: a stage's gradients appear with its first backward),
+    # or the update's peak (`update_bytes`), whichever is more
     peak_bytes: tuple[int, ...]
+    update_bytes: tuple[int, ...] = ()  # per rank: state and gradient shards plus what the optimizer's update makes beside them
 
     def explain(self) -> str:
         lines = [
@@ -72,12 +74,13 @@ class PipelinePlan(NamedTuple):
                 f"| {s.stage} | {s.rank} | {s.forward_flops / 1e9:.3f} | {s.forward_s * 1e3:.3f} | "
                 f"{s.saved_bytes / 2**20:.2f} | {self.peak_in_flight[s.stage]} | {s.sent_bytes / 1024:.1f} | {s.param_elements} |"
             )
-        lines.append("| rank | state MiB | gathered MiB | activations MiB | peak MiB | p2p MiB / step |")
-        lines.append("|---|---|---|---|---|---|")
+        lines.append("| rank | state MiB | gathered MiB | activations MiB | update MiB | peak MiB | p2p MiB / step |")
+        lines.append("|---|---|---|---|---|---|---|")
         for r in range(self.num_ranks):
+            update = f"{self.update_bytes[r] / 2**20:.2f}" if self.update_bytes else "-"
             lines.append(
                 f"| {r} | {self.state_bytes[r] / 2**20:.2f} | {self.gathered_bytes[r] / 2**20:.2f} | "
-                f"{self.activation_bytes[r] / 2**20:.2f} | {self.peak_bytes[r] / 2**20:.2f} | {self.p2p_bytes[r] / 2**20:.2f} |"
+                f"{self.activation_bytes[r] / 2**20:.2f} | {update} | {self.peak_bytes[r] / 2**20:.2f} | {self.p2p_bytes[r] / 2**20:.2f} |"
             )
         return "\n".join(lines)
 
@@ -126,6 +129,7 @@ class _StageFigures(NamedTuple):
     held: int  # from its I to its W
     sent: int
     elements: int
+    largest: int = 0  # elements of its largest unit (the optimizer's update works one buffer at a time)
 
 
 def _stage_figures(step: Any, state: Any, batch: Any, machine: Machine) -> list[_StageFigures]:
@@ -134,11 +138,16 @@ def _stage_figures(step: Any, state: Any, batch: Any, machine: Machine) -> list[
     cut = step.stage_cut(state, batch)
     sizes = step.split_bytes_per_microbatch(cut, batch)  # (saved, held from I to W) per stage
     elements = step.stage_param_elements()
+    per_unit = step.stage_param_elements(step._unit_of_leaf)
+    largest = {}
+    for u, s in zip(step._unit_of_leaf, step._stage_of_leaf):
+        if u is not None and s is not None:
+            largest[s] = max(largest.get(s, 0), per_unit[u])
     out = []
     for p in cut.stages:
         flops, seconds = _stage_seconds(p.module, machine)
         sent = sum(_nbytes(b) for b in p.sent) if p.index < len(cut.stages) - 1 else 0
-        out.append(_StageFigures(flops, seconds, *sizes[p.index], sent, elements[p.index]))
+        out.append(_StageFigures(flops, seconds, *sizes[p.index], sent, elements[p.index], largest.get(p.index, 0)))
     return out
 
 
@@ -190,12 +199,20 @@ def _plan(step: Any, state: Any, figures: list[_StageFigures], machine: Machine,
     # Unsharded stages (fsdp 1) with no dtype cast compute on the state's own tensors: no gathered
     # copy beside them (their summed gradients are still walked).
     copies = fsdp > 1 or (step.precision is not None and step.precision.param_dtype is not None)
+    # The optimizer's update, after the pipeline: the state and gradient shards, and what the update
+    # makes beside them: per element of the rank's shards, and of its largest buffer (a unit's shard).
+    every, largest = step.update_bytes(state)
+    updates = tuple(round(states[r] + (every * sum(s.param_elements for s in held[r])
+                                       + largest * max((figures[s.stage].largest for s in held[r]), default=0)) / fsdp)
+                    for r in ranks)  # fmt: skip
     return PipelinePlan(
         compute.name, step.num_ranks, m, tuple(stages), analysis.makespan, tuple(analysis.bubble), tuple(peaks),
         tuple(round(sum(per_stage[s.stage] for s in held[r])) for r in ranks),
         states, gathered_bytes,
         tuple(p2p), per_element, fsdp,
-        tuple(state + (gathered // 2 if copies else 0) + round(w) for state, gathered, w in zip(states, gathered_bytes, walked)),
+        tuple(max(state + (gathered // 2 if copies else 0) + round(w), update)
+              for state, gathered, w, update in zip(states, gathered_bytes, walked, updates)),
+        updates,
     )  # fmt: skip
 
 
