@@ -463,6 +463,7 @@ def test_reuse_distance_decides_what_is_cached():
     assert set(none.values()) == {0.0}
 
 
+@pytest.mark.slow  # ~19 s: the suite's time; the simulator itself is tested above
 def test_simulator_benchmark_quick_mode_runs_and_reports():
     """`benchmarks/simulator.py --quick`: calibrates, predicts and measures one case, prints
     the table (no threshold on the figures: timings here are noisy)."""
