@@ -100,7 +100,13 @@ class StageFigures:
             params = {spec.name: torch.empty(s.shape, dtype=s.dtype, device="meta")
                       for spec, s in zip(layout.buffers, state.params.shards) if spec.trainable}  # fmt: skip
             elements = sum(t.numel() for t in params.values())
-            made = self._made_by_update(params, state.opt_state, self._leaf_layout(layout))
+            try:
+                made = self._made_by_update(params, state.opt_state, self._leaf_layout(layout))
+            except Exception as error:  # noqa: BLE001 - named, not swallowed
+                raise ValueError(
+                    f"the optimizer's update could not run on meta tensors to size its memory ({type(error).__name__}: "
+                    f"{str(error)[:300]}); an fs.optim optimizer runs there"
+                ) from error
             return (made / elements if elements else 0.0), 0.0
 
     def _made_by_update(self, params: dict, opt_state: Any, leaves=None) -> int:

@@ -14,6 +14,7 @@ in this process, no ranks and no memory.
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -257,3 +258,19 @@ def test_a_cut_sends_one_activation_where_the_next_block_starts_with_a_parameter
             assert [b.shape for b in cut.stages[program.index + 1].received] == [(2, 16, 64)]
         assert all("pow" not in str(n.target) for n in cut.stages[0].module.graph.nodes if n.op == "call_function"
                    and any(u.op == "output" for u in n.users)), cut.describe()  # fmt: skip
+
+
+def test_an_update_that_cannot_run_on_meta_tensors_is_named():
+    """`plan_pipeline` sizes the optimizer's update by running it on meta tensors; an update that
+    reads a value (a data-dependent step) cannot run there and is refused with the reason."""
+
+    def apply(grads, state, params, scalars, *, inplace=False, mesh=None):
+        if float(next(iter(grads.values())).abs().max()) > 1.0:  # reads a value: not on meta
+            grads = {n: g / 2 for n, g in grads.items()}
+        return {n: p - 0.1 * grads[n] for n, p in params.items()}, state
+
+    loss_fn, params = _gpt()
+    optimizer = fs.optim.make_optimizer(lambda params: fs.optim.EmptyState(), lambda state: {}, apply)
+    step = fs.sharded_step(loss_fn, fs.analysis.AbstractMesh({"pp": 2}), optimizer=optimizer, microbatches=4, pipeline="1f1b")
+    with pytest.raises(ValueError, match="could not run on meta tensors"):
+        fs.analysis.plan_pipeline(step, step.init_abstract(params), _batch())
