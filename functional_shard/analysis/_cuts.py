@@ -357,15 +357,19 @@ def _memory_cut(step: Any, state: Any, table: UnitTable, compute, m: int) -> tup
     """The cut whose largest stage holds the fewest predicted bytes under `compute` at `m`
     micro-batches: its state, gathered parameters and their gradients, and its in-flight
     micro-batches (`peak_in_flight`) at their saved bytes (with a split backward, the larger of
-    saved and held after I)."""
+    saved and held after I), or its update's bytes (`update_bytes`), whichever is more."""
     in_flight = peak_in_flight(compute)
     scale = step.microbatches / m
-    per_element = step.state_bytes_per_element(state) / step.mesh.num_shards + step.gather_bytes_per_element()
+    shards = step.mesh.num_shards
+    state_bytes = step.state_bytes_per_element(state) / shards
+    per_element = state_bytes + step.gather_bytes_per_element()
+    every, largest = step.update_bytes(state)
     split = any(a.kind is ActionKind.I for row in compute.actions for a in row)  # micro-batches held from I to W
 
     def cost(s: int, i: int, j: int) -> float:
         f = table.stage(i, j)
-        return f.elements * per_element + in_flight[s] * (max(f.saved, f.held) if split else f.saved) * scale
+        pipelined = f.elements * per_element + in_flight[s] * (max(f.saved, f.held) if split else f.saved) * scale
+        return max(pipelined, f.elements * (state_bytes + every / shards) + f.largest * largest / shards)
 
     return tuple(min_max_cut(len(table.units), compute.num_stages, cost))
 
