@@ -135,7 +135,6 @@ class StageFigures:
         return next(t.shape[0] for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor))
 
 
-
 class _MadeBytes(TorchDispatchMode):
     """The most bytes of storages made by ops under this mode alive at once (each storage once,
     however many views; the `inputs`' storages never counted, even when an op returns them)."""
