@@ -35,6 +35,15 @@ class AliveBytes(TorchDispatchMode):
         return out
 
 
+def peak_with(existing, run) -> int:
+    """The most bytes alive at once while `run()` runs: the distinct storages of the `existing`
+    tensors (a step's state and batch) and the most storages made under `AliveBytes` at once."""
+    distinct = {t.untyped_storage()._cdata: t for t in existing if isinstance(t, torch.Tensor)}
+    with AliveBytes(distinct.values()) as tracker:
+        run()
+    return tracker.peak + sum(t.untyped_storage().nbytes() for t in distinct.values())
+
+
 def reset_peak_rss() -> int:
     """Reset the resident set's high-water mark; return the current resident set (bytes)."""
     with open("/proc/self/clear_refs", "w") as f:

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 import functional_shard as fs
-from _memory import AliveBytes
+from _memory import peak_with
 from functional_shard import tensor_parallel as tp
 from functional_shard.models import GPT, GPTConfig
 
@@ -191,10 +191,7 @@ def _pipeline_peak(_):
     ids = torch.randint(0, 256, (8, LENGTH), generator=torch.Generator().manual_seed(1))
     state = step.init(params)
     state, _ = step(state, (ids, ids))
-    external = {t.untyped_storage()._cdata: t for t in [*fs.tree_leaves(state), ids] if isinstance(t, torch.Tensor)}
-    with AliveBytes(external.values()) as tracker:
-        step(state, (ids, ids))
-    return tracker.peak + sum(t.untyped_storage().nbytes() for t in external.values())
+    return peak_with([*fs.tree_leaves(state), ids], lambda: step(state, (ids, ids)))
 
 
 def _build_real(layers, mesh):

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import functional_shard as fs
-from _memory import AliveBytes
+from _memory import peak_with
 from functional_shard.models import GPT, GPTConfig
 
 M = 4
@@ -86,10 +86,7 @@ def _peak_and_plan(mesh, tokens: int, rows: int):
     x = torch.randint(0, 64, (rows * M, tokens), generator=torch.Generator().manual_seed(0))
     batch = (x, torch.roll(x, -1, 1))
     state, _ = step(step.init(params), batch)
-    external = {t.untyped_storage()._cdata: t for t in [*fs.tree_leaves(state), *batch] if isinstance(t, torch.Tensor)}
-    with AliveBytes(external.values()) as tracker:
-        step(state, batch)
-    measured = tracker.peak + sum(t.untyped_storage().nbytes() for t in external.values())
+    measured = peak_with([*fs.tree_leaves(state), *batch], lambda: step(state, batch))
     plan = fs.analysis.plan_pipeline(step, state, batch)
     # one token per micro-batch: activations far below the weights the forward saves
     tiny = (x[:M, :1], x[:M, :1])

@@ -270,6 +270,7 @@ def tune_pipeline(step: Any, state: Any, batch: Any, *, budget_bytes: int | None
         except StepError as error:  # a value that is not a tensor crosses a unit boundary: the step's own cut only
             table, unsearched = None, f"; other stage cuts not searched: {str(error)[:200]}"
     own_figures = _stage_figures(step, state, batch, machine) if table is None else None
+    update = step.update_bytes(state)  # the same for every candidate
     out, plans = [], {}
     for entry in schedules:
         pipeline = entry if isinstance(entry, Pipeline) else Pipeline(entry)
@@ -290,14 +291,14 @@ def tune_pipeline(step: Any, state: Any, batch: Any, *, budget_bytes: int | None
                 continue
             here = {k: v for k, v in tried.items() if v != "any"}  # the named cuts, then the enumerated ones
             if table is not None and cuts is True and num_stages <= len(units):
-                here.setdefault(_memory_cut(step, state, table, compute, m), "memory")
+                here.setdefault(_memory_cut(step, state, table, compute, m, update), "memory")
             for k, v in tried.items():
                 here.setdefault(k, v)
             for bounds, label in here.items():
                 figures = own_figures if table is None else table.figures(bounds)
                 stages = tuple(tuple(units[a:b]) for a, b in bounds)
                 try:
-                    plan = _plan(step, state, figures, machine, pipeline, m)
+                    plan = _plan(step, state, figures, machine, pipeline, m, update)
                 except Exception as error:  # noqa: BLE001 - the schedule has another number of stages
                     out.append(PipelineCandidate(compute.name, m, float("inf"), 1.0, 0, False,
                                                  f"not buildable: {str(error)[:120]}", stages, label))  # fmt: skip
@@ -353,17 +354,18 @@ def _cuts(table: UnitTable, num_stages: int, own: tuple, cuts: Any) -> dict[tupl
     return out
 
 
-def _memory_cut(step: Any, state: Any, table: UnitTable, compute, m: int) -> tuple:
+def _memory_cut(step: Any, state: Any, table: UnitTable, compute, m: int, update: tuple[float, float]) -> tuple:
     """The cut whose largest stage holds the fewest predicted bytes under `compute` at `m`
     micro-batches: its state, gathered parameters and their gradients, and its in-flight
     micro-batches (`peak_in_flight`) at their saved bytes (with a split backward, the larger of
-    saved and held after I), or its update's bytes (`update_bytes`), whichever is more."""
+    saved and held after I), or its update's bytes (`update`: `step.update_bytes(state)`),
+    whichever is more."""
     in_flight = peak_in_flight(compute)
     scale = step.microbatches / m
     shards = step.mesh.num_shards
     state_bytes = step.state_bytes_per_element(state) / shards
     per_element = state_bytes + step.gather_bytes_per_element()
-    every, largest = step.update_bytes(state)
+    every, largest = update
     split = any(a.kind is ActionKind.I for row in compute.actions for a in row)  # micro-batches held from I to W
 
     def cost(s: int, i: int, j: int) -> float:

@@ -65,6 +65,7 @@ from ..pipeline import Costs, Pipeline, analyze as analyze_pipeline, build_sched
 from ..schedule import RematPolicy, Schedule
 from ._depth import Tracer
 from ._machine import Machine
+from ._pipeline import gathers_copies
 from ._ranking import rank_with_reasons
 
 __all__ = ["LayoutSpace", "LayoutCandidate", "LayoutPlan", "plan_layouts"]
@@ -314,9 +315,7 @@ def _piped(tracer: Tracer, axes, dims, p, name, v, m, mb_rows, label, remat, lay
         schedule.compute_only(), [k * slope.activations for k in per_stage],
         [k * slope.reduced + share * intercept.reduced for k, share in zip(per_stage, shares)],
     )  # fmt: skip
-    # A stage not sharded (fsdp 1 within the pipeline) computes on its state's own tensors unless
-    # parameters are cast to another dtype: then nothing is gathered beside the state.
-    copies = f > p or (tracer.precision is not None and tracer.precision.param_dtype is not None)
+    copies = gathers_copies(f // p, tracer.precision)  # the traced fsdp is the stage's times p
     steps, exposed, peaks, flops = [], [], [], 0.0
     for rank in range(p):
         k = sum(per_stage[s] for s in held[rank])

@@ -117,7 +117,8 @@ def plan_pipeline(step: Any, state: Any, batch: Any, *, machine: Machine | None 
         schedule / microbatches: an alternative to plan (default: the step's own).
     """
     machine = machine if machine is not None else h100_sxm()
-    return _plan(step, state, _stage_figures(step, state, batch, machine), machine, schedule, microbatches)
+    return _plan(step, state, _stage_figures(step, state, batch, machine), machine, schedule, microbatches,
+                 step.update_bytes(state))  # fmt: skip
 
 
 class _StageFigures(NamedTuple):
@@ -152,7 +153,8 @@ def _stage_figures(step: Any, state: Any, batch: Any, machine: Machine) -> list[
 
 
 def _plan(step: Any, state: Any, figures: list[_StageFigures], machine: Machine, schedule: Any,
-          microbatches: int | None) -> PipelinePlan:  # fmt: skip
+          microbatches: int | None, update: tuple[float, float]) -> PipelinePlan:  # fmt: skip
+    """`update`: `step.update_bytes(state)` (the same for every schedule and cut of the step)."""
     m0 = step.microbatches
     m = microbatches if microbatches is not None else m0
     pipeline = step.pipeline if schedule is None else (schedule if isinstance(schedule, Pipeline) else Pipeline(schedule))
@@ -196,12 +198,10 @@ def _plan(step: Any, state: Any, figures: list[_StageFigures], machine: Machine,
             if s.stage > 0 and compute.rank_of(s.stage - 1) != r:
                 out += stages[s.stage - 1].sent_bytes * m  # cotangents of what it received
         p2p.append(out)
-    # Unsharded stages (fsdp 1) with no dtype cast compute on the state's own tensors: no gathered
-    # copy beside them (their summed gradients are still walked).
-    copies = fsdp > 1 or (step.precision is not None and step.precision.param_dtype is not None)
+    copies = gathers_copies(fsdp, step.precision)  # else their summed gradients alone are walked
     # The optimizer's update, after the pipeline: the state and gradient shards, and what the update
     # makes beside them: per element of the rank's shards, and of its largest buffer (a unit's shard).
-    every, largest = step.update_bytes(state)
+    every, largest = update
     updates = tuple(round(states[r] + (every * sum(s.param_elements for s in held[r])
                                        + largest * max((figures[s.stage].largest for s in held[r]), default=0)) / fsdp)
                     for r in ranks)  # fmt: skip
@@ -214,6 +214,13 @@ def _plan(step: Any, state: Any, figures: list[_StageFigures], machine: Machine,
               for state, gathered, w, update in zip(states, gathered_bytes, walked, updates)),
         updates,
     )  # fmt: skip
+
+
+def gathers_copies(fsdp: int, precision) -> bool:
+    """Whether a pipeline stage holds gathered copies of its parameters beside its state: when it is
+    sharded (`fsdp` > 1) or its parameters are cast (`precision.param_dtype`); an unsharded stage
+    with no cast computes on its state's own tensors."""
+    return fsdp > 1 or (precision is not None and precision.param_dtype is not None)
 
 
 def _nbytes(b) -> int:
