@@ -106,6 +106,8 @@ class _Stage:
         self.kept: dict[int, _split_backward.Split] = {}  # micro-batch -> what its I kept for its W
         self.reduce_dtypes: list = []
         self.tree = None  # a layout-invariant step's _canonical.TreeSum over the micro-batches
+        self.lent: dict[int, torch.Tensor] = {}  # received position -> a lent value (`Boundary.lent`), held for the step
+        self.lent_cotangents: dict[int, torch.Tensor] = {}  # its cotangents' sum so far (fp32 at least)
 
 
 def run_actions(
@@ -156,6 +158,9 @@ def run_actions(
     waits: dict[tuple, list] = {}  # (kind, stage, micro-batch) of a transfer -> its works, until waited
     proves = _sends_proved(schedule, row)
     pending: list[tuple[Action, Any]] = []
+    # What is lent crosses a boundary with the receiving stage's first forward and its cotangents'
+    # sum comes back with that stage's last backward (I or B), in the order of its row.
+    first_f, last_b = _first_and_last(schedule)
 
     def flush() -> None:
         if not pending:
@@ -231,6 +236,13 @@ def run_actions(
                 else:
                     torch.set_rng_state(inputs[-1])
                     inputs = inputs[:-1]
+            if any(b.lent for b in program.received):  # the first forward's are kept; later ones use them
+                inputs = list(inputs)
+                for k, b in enumerate(program.received):
+                    if b.lent:
+                        if m == first_f[s]:
+                            st.lent[k] = inputs[k]
+                        inputs[k] = st.lent[k]
             inputs = [t.detach().requires_grad_(backward and b.differentiable) for t, b in zip(inputs, program.received)]
             batch = [micro_batches[m][i] for i in program.batch]
             keep = backward and s not in remat
@@ -240,7 +252,7 @@ def run_actions(
             with torch.set_grad_enabled(keep):
                 if recorder is not None and backward:
                     refs: dict = {}
-                    outputs, nbytes = saved_bytes(run, refs, [*st.leaves, *batch, *st.local])
+                    outputs, nbytes = saved_bytes(run, refs, [*st.leaves, *batch, *st.local, *st.lent.values()])
                     if not keep:  # rematerialized: only its inputs are held until its backward
                         nbytes, refs = sum(t.untyped_storage().nbytes() for t in inputs), {}
                     recorder.forward(s, m, nbytes, refs)
@@ -257,27 +269,32 @@ def run_actions(
                 st.outputs[m] = [o.detach() for o in outputs] + ([torch.get_rng_state()] if canonical is not None else [])
             del inputs, outputs, run  # the graph is st.graphs[m]'s alone: an I frees its output side
         elif a.kind in (K.B, K.I, K.W):
-            _backward(a, st, stages, program, schedule, last, ready, mesh)
+            _backward(a, st, stages, program, schedule, last, ready, mesh, last_b.get(s))
             if recorder is not None and a.kind in (K.B, K.W):
                 recorder.backward_done(s, m)
             elif recorder is not None and a.kind is K.I and s not in remat:
                 recorder.input_done(s, m, st.kept[m].kept_bytes())
         elif a.kind is K.SEND_F:
-            for t in st.outputs.pop(m):
-                pending.append((a, t.contiguous()))
+            once = m == first_f.get(s + 1)
+            for t, b in zip(st.outputs.pop(m), (*program.sent, None)):
+                if b is None or not b.lent or once:
+                    pending.append((a, t.contiguous()))
         elif a.kind is K.RECV_F:
-            bufs = [torch.empty(b.shape, dtype=b.dtype, device=_device(mesh)) for b in program.received]
+            bufs = [torch.empty(b.shape, dtype=b.dtype, device=_device(mesh)) if not b.lent or m == first_f[s] else None
+                    for b in program.received]  # fmt: skip
             if canonical is not None:
                 bufs.append(torch.empty_like(torch.get_rng_state()))
             st.received[m] = bufs
-            pending.extend((a, t) for t in bufs)
+            pending.extend((a, t) for t in bufs if t is not None)
         elif a.kind is K.SEND_B:
             for t in st.input_cotangents.pop(m):
-                pending.append((a, t.contiguous()))
+                if t is not None:  # (a lent value's, before the stage's last backward: summed, sent then)
+                    pending.append((a, t.contiguous()))
         elif a.kind is K.RECV_B:
-            bufs = [torch.empty(b.shape, dtype=b.dtype, device=_device(mesh)) for b in program.sent if b.differentiable]
+            bufs = [torch.empty(b.shape, dtype=b.dtype, device=_device(mesh)) if not b.lent or m == last_b.get(s + 1) else None
+                    for b in program.sent if b.differentiable]  # fmt: skip
             st.cotangents[m] = bufs
-            pending.extend((a, t) for t in bufs)
+            pending.extend((a, t) for t in bufs if t is not None)
         elif a.kind is K.REDUCE_GRAD:
             grads.update(_reduce(layout, by_unit[s], program, st, leaf_index, mesh))
         elif a.kind is K.OPTIMIZER:
@@ -333,11 +350,14 @@ def _recompute(run, rng, mesh) -> list:
             return run()
 
 
-def _backward(a: Action, st: _Stage, stages, program, schedule, last, ready, mesh=None) -> None:
+def _backward(a: Action, st: _Stage, stages, program, schedule, last, ready, mesh=None, last_b=None) -> None:
     """B, I or W of micro-batch `a.microbatch` through stage `a.stage`: gradients of the parameters
     added to the stage's sums (B, W), cotangents of the received values kept for SEND_B (B, I).
     I and W split the backward (`_split_backward`): I runs the input path only and keeps, until
-    W, what the weights' gradients need; W runs the weight side only. The same bits as B."""
+    W, what the weights' gradients need; W runs the weight side only. The same bits as B.
+    A lent value's cotangents are summed over the stage's backwards and kept for the last one's
+    SEND_B (`last_b`: its micro-batch), None before; a sent lent value's root is seeded only by
+    that sum, in the backward of the micro-batch it comes back with."""
     s, m = a.stage, a.microbatch
     if a.kind is K.W:  # the weight side of the graph its I kept, then freed
         _add_gradients(st, _split_backward.backward_weight(st.kept.pop(m)))
@@ -354,8 +374,9 @@ def _backward(a: Action, st: _Stage, stages, program, schedule, last, ready, mes
         else:
             ready(K.RECV_B, s, m)
             cotangents = st.cotangents.pop(m)
+    lent = [b.lent for b in program.received if b.differentiable]  # per differentiable input
     diff_inputs = [t for t in inputs if t.requires_grad]
-    pairs = [(r, c) for r, c in zip(roots, cotangents) if r.requires_grad]
+    pairs = [(r, c) for r, c in zip(roots, cotangents) if r.requires_grad and c is not None]
     del inputs, outputs, roots, cotangents  # what W needs, the split keeps; the rest is freed with the graph
     if a.kind is K.I:
         roots, cotangents = [r for r, _ in pairs], [c for _, c in pairs]
@@ -373,7 +394,27 @@ def _backward(a: Action, st: _Stage, stages, program, schedule, last, ready, mes
         it = iter(got[: len(diff_params)])
         _add_gradients(st, [next(it) if p.requires_grad else None for p in st.leaves])
         cots = got[len(diff_params):]
-    st.input_cotangents[m] = [c if c is not None else torch.zeros_like(t) for c, t in zip(cots, diff_inputs)]
+    cots = [c if c is not None else torch.zeros_like(t) for c, t in zip(cots, diff_inputs)]
+    if any(lent):
+        for j, c in enumerate(cots):
+            if lent[j]:
+                total = st.lent_cotangents.get(j)
+                c32 = c.to(torch.promote_types(c.dtype, torch.float32))
+                st.lent_cotangents[j] = c32 if total is None else total + c32
+                cots[j] = st.lent_cotangents.pop(j).to(c.dtype) if m == last_b else None
+    st.input_cotangents[m] = cots
+
+
+def _first_and_last(schedule: PipelineSchedule) -> tuple[dict[int, int], dict[int, int]]:
+    """Per stage, the micro-batch of its first F and of its last I or B, in its rank's row."""
+    first, last = {}, {}
+    for row in schedule.actions:
+        for a in row:
+            if a.kind is K.F:
+                first.setdefault(a.stage, a.microbatch)
+            elif a.kind in (K.B, K.I):
+                last[a.stage] = a.microbatch
+    return first, last
 
 
 def _add_gradients(st: _Stage, grads: list) -> None:

@@ -248,6 +248,8 @@ class PipelineStep(StageFigures):
                     f"operations in stage order; here they come from stages {list(cut.random_stages)} in the order loss_fn "
                     f"draws them. Cut the stages elsewhere (Pipeline(stages=...)) or draw in order"
                 )
+            if self.canonical is not None:  # the canonical tree sums each micro-batch's gradients whole
+                cut = cut.relaying()
             if self.compile:  # each stage's forward (and, through AOTAutograd, its backward) fused by inductor
                 cut = cut._replace(stages=tuple(p._replace(call=torch.compile(p.module, backend="inductor", fullgraph=True, dynamic=False))
                                                 for p in cut.stages))  # fmt: skip

@@ -16,9 +16,9 @@ flat parameter leaves and the flat batch leaves. Every node of the graph then ge
 
 A value made on stage a and read on stage c > a crosses every boundary between them (relayed by
 the stages in between): the boundary `s -> s+1` carries, in graph order, every value made at or
-before `s` and read after it. A weight read on two stages (a tied embedding and head) is such a
-value: stage a sends the weight itself and receives its cotangent, which its backward adds to
-the weight's gradient — exact, at the price of the weight's bytes per micro-batch and boundary.
+before `s` and read after it. A value made of parameters alone (a tied embedding's weight read by
+the head, its transpose) is the same on every micro-batch: it is *lent* (`Boundary.lent`), sent
+once per step and its cotangents' sum returned once (`_pipe_run`).
 
 Stage `s`'s program is a `torch.fx.GraphModule` `(params, received, batch, local) -> sent` (the
 last stage's `sent` is what the loss returns: `(objective, loss, weight)`), built by copying the
@@ -40,7 +40,7 @@ from . import _tracing
 from ._losses import StepError, WeightedLoss, check_loss, split_loss
 from ._pytree import tree_flatten, tree_unflatten
 
-__all__ = ["Boundary", "StageProgram", "Cut", "assign_stages", "cut_stages", "cut_traced", "unit_of_nodes"]
+__all__ = ["Boundary", "StageProgram", "Cut", "assign_stages", "boundary_bytes", "cut_stages", "cut_traced", "unit_of_nodes"]
 
 _FREE = -1  # the stage of a value every stage may recompute (from the batch, buffers, constants)
 
@@ -52,6 +52,7 @@ class Boundary(NamedTuple):
     shape: tuple[int, ...]
     dtype: torch.dtype
     differentiable: bool  # floating and derived from a parameter: its cotangent flows back
+    lent: bool = False  # made of parameters alone: crosses once per step (`Cut.relaying()`: per micro-batch)
 
 
 class StageProgram(NamedTuple):
@@ -77,15 +78,32 @@ class Cut(NamedTuple):
     random_stages: tuple[int, ...] = ()  # the stage of each random operation, in the order loss_fn draws
 
     def bytes_between(self, stage: int) -> int:
-        """Bytes stage `stage` sends to the next one per micro-batch (its activations)."""
-        return sum(_numel(b.shape) * b.dtype.itemsize for b in self.stages[stage].sent)
+        """Bytes stage `stage` sends to the next one per micro-batch (its activations; what is
+        lent crosses once per step: `lent_between`)."""
+        return sum(boundary_bytes(b) for b in self.stages[stage].sent if not b.lent)
+
+    def lent_between(self, stage: int) -> int:
+        """Bytes stage `stage` sends to the next one once per step (values made of parameters alone)."""
+        return sum(boundary_bytes(b) for b in self.stages[stage].sent if b.lent)
+
+    def relaying(self) -> "Cut":
+        """The same cut with every value sent per micro-batch (nothing lent): a layout-invariant
+        step's canonical sums take each micro-batch's gradients whole."""
+        plain = lambda bs: tuple(b._replace(lent=False) for b in bs)  # noqa: E731
+        return self._replace(stages=tuple(p._replace(received=plain(p.received), sent=plain(p.sent)) for p in self.stages))
 
     def describe(self) -> str:
         lines = []
         for p in self.stages:
-            sent = ", ".join(f"{b.name}{list(b.shape)}:{str(b.dtype).removeprefix('torch.')}" for b in p.sent)
+            sent = ", ".join(f"{b.name}{list(b.shape)}:{str(b.dtype).removeprefix('torch.')}{' (once per step)' if b.lent else ''}"
+                             for b in p.sent)  # fmt: skip
             lines.append(f"stage {p.index}: {len(p.module.graph.nodes)} nodes, {len(p.params)} parameter leaves -> {sent}")
         return "\n".join(lines)
+
+
+def boundary_bytes(b: Boundary) -> int:
+    """Bytes of one crossing value."""
+    return _numel(b.shape) * b.dtype.itemsize
 
 
 def _numel(shape) -> int:
@@ -283,11 +301,13 @@ def _cut(gm: fx.GraphModule, num_params: int, stage_of_leaf, num_stages: int, in
     param_index = {n: i for i, n in enumerate(params)}
     batch_index = {n: i for i, n in enumerate(batch)}
     derived: set[fx.Node] = set()  # depends on a trainable value (differentiable if floating)
+    param_only: set[fx.Node] = set()  # made of parameters alone (no batch, no randomness): lent, not relayed
     for n in params:
         s = stage_of_leaf[param_index[n]]
         stage[n] = _FREE if s is None else s
         if s is not None:
             derived.add(n)
+            param_only.add(n)
     for n in batch:
         stage[n] = _FREE
     output = None
@@ -304,7 +324,10 @@ def _cut(gm: fx.GraphModule, num_params: int, stage_of_leaf, num_stages: int, in
         stage[n] = max((stage[i] for i in inputs), default=_FREE)
         if any(i in derived for i in inputs):
             derived.add(n)
-        if stage[n] == _FREE and isinstance(n.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in n.target.tags:
+        if (n.op == "call_function" and inputs and all(i in param_only or i.op == "get_attr" for i in inputs)
+                and any(i in param_only for i in inputs) and _deterministic(n)):  # fmt: skip
+            param_only.add(n)
+        if stage[n] == _FREE and not _deterministic(n):
             raise StepError(
                 f"loss_fn draws random numbers ({n.target}) from the batch alone, before any parameter is used: a "
                 f"pipeline recomputes such values on every stage that reads them, which would draw different numbers. "
@@ -333,7 +356,7 @@ def _cut(gm: fx.GraphModule, num_params: int, stage_of_leaf, num_stages: int, in
                 f"the value {n.name} ({n.target}) crosses a pipeline stage boundary but is not a tensor ({type(meta).__name__}); "
                 "cut the stages elsewhere (stages=...)"
             )
-        return Boundary(n.name, tuple(meta.shape), meta.dtype, n in derived and meta.dtype.is_floating_point)
+        return Boundary(n.name, tuple(meta.shape), meta.dtype, n in derived and meta.dtype.is_floating_point, n in param_only)
 
     boundaries = []  # boundaries[s]: the values stage s sends to s + 1
     for s in range(last):
@@ -349,9 +372,12 @@ def _cut(gm: fx.GraphModule, num_params: int, stage_of_leaf, num_stages: int, in
             "loss_fn's loss depends on no trainable parameter: the pipeline would train nothing. Compute it from the "
             "params argument (apply_fn(params, x))"
         )
-    random = tuple(stage[n] for n in graph.nodes if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
-                   and torch.Tag.nondeterministic_seeded in n.target.tags)  # fmt: skip
+    random = tuple(stage[n] for n in graph.nodes if n.op == "call_function" and not _deterministic(n))
     return Cut(tuple(programs), info["weighted"], info["summed"], info["dtype"], random)
+
+
+def _deterministic(n: fx.Node) -> bool:
+    return not (isinstance(n.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in n.target.tags)
 
 
 def _bytes(n: fx.Node) -> int | None:

@@ -217,8 +217,9 @@ def test_tune_pipeline_under_a_tight_budget_takes_a_lighter_cut():
     assert "fits at this schedule and micro-batches" in over[0].why
 
 
-def test_a_tied_gpt_plans_with_its_weight_relayed_and_its_cut_composes():
-    # the head's matmul reads the tied weight's transpose, made on stage 0 and received: a stage input
+def test_a_tied_gpt_plans_with_its_weight_lent_once_per_step_and_its_cut_composes():
+    # the head's matmul reads the tied weight's transpose, made on stage 0 and received: a stage
+    # input made of parameters alone, sent with the first micro-batch only (`Boundary.lent`)
     from functional_shard.analysis._cuts import unit_table
 
     with torch.device("meta"):
@@ -233,10 +234,12 @@ def test_a_tied_gpt_plans_with_its_weight_relayed_and_its_cut_composes():
                            pipeline="1f1b")  # fmt: skip
     state = step.init_abstract(params)
     plan = fs.analysis.plan_pipeline(step, state, _batch())
-    assert plan.stages[0].sent_bytes == 2 * 32 * 32 * 4 + 64 * 32 * 4  # the residual stream and the tied weight
+    assert plan.stages[0].sent_bytes == 2 * 32 * 32 * 4  # the residual stream, per micro-batch
+    assert plan.stages[0].lent_bytes == 64 * 32 * 4  # the tied weight, once per step (its cotangents' sum back once)
+    assert plan.p2p_bytes == (4 * 2 * 32 * 32 * 4 + 64 * 32 * 4,) * 2
     composed = unit_table(step, state, _batch(), fs.analysis.h100_sxm()).figures([(0, 3), (3, 6)])
     for r, c in zip(plan.stages, composed):
-        assert (c.flops, c.sent, c.elements) == (r.forward_flops, r.sent_bytes, r.param_elements)
+        assert (c.flops, c.sent, c.lent, c.elements) == (r.forward_flops, r.sent_bytes, r.lent_bytes, r.param_elements)
         assert abs(c.saved - r.saved_bytes) <= 0.01 * r.saved_bytes and abs(c.seconds - r.forward_s) <= 0.01 * r.forward_s
 
 
@@ -274,3 +277,78 @@ def test_an_update_that_cannot_run_on_meta_tensors_is_named():
     step = fs.sharded_step(loss_fn, fs.analysis.AbstractMesh({"pp": 2}), optimizer=optimizer, microbatches=4, pipeline="1f1b")
     with pytest.raises(ValueError, match="could not run on meta tensors"):
         fs.analysis.plan_pipeline(step, step.init_abstract(params), _batch())
+
+
+# --- a tied weight lent once per step ----------------------------------------------------------
+
+VOCAB_TIED = 1024  # the tied weight (1024 x 32 floats: 128 KiB) far larger than a micro-batch's activations (4 KiB)
+
+
+def _tied_run(mesh, schedule: str, tied: bool = True) -> dict:
+    """A tied GPT at pp 2: the bytes this rank sends in one step (counted where the transfers are
+    posted), the plan's, and the measured bytes its last stage saves per micro-batch."""
+    from functional_shard import _pipe_run
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=VOCAB_TIED, block_size=16, n_layer=4, n_head=2, d_model=32, tie_weights=tied))
+    apply_fn, params = fs.functionalize(model)
+
+    def loss_fn(p, batch):
+        x, y = batch
+        return F.cross_entropy(apply_fn(p, x).flatten(0, 1), y.flatten())
+
+    step = fs.sharded_step(loss_fn, mesh, optimizer=fs.optim.adamw(lr=1e-3), microbatches=4,
+                           pipeline=fs.pipeline.Pipeline(schedule))  # fmt: skip
+    state = step.init(params)
+    x = torch.randint(0, VOCAB_TIED, (8, 16), generator=torch.Generator().manual_seed(1))
+    batch = (x, torch.roll(x, -1, 1))
+    sent = [0]
+    post = _pipe_run.PointToPoint.post
+
+    def counted(self, ops):
+        sent[0] += sum(t.numel() * t.element_size() for kind, t, _ in ops if kind == "send")
+        return post(self, ops)
+
+    _pipe_run.PointToPoint.post = counted
+    try:
+        state, _ = step(state, batch)
+        measured = sent[0]
+    finally:
+        _pipe_run.PointToPoint.post = post
+    plan = fs.analysis.plan_pipeline(step, state, batch)
+    profile = step.profile(state, batch)
+    return {"sent": measured, "plan": plan.p2p_bytes[mesh.rank], "lent": plan.stages[0].lent_bytes,
+            "activations": plan.stages[0].sent_bytes, "saved": profile.saved_per_microbatch,
+            "held": profile.in_flight_bytes, "cut": step.stage_cut(state, batch).describe()}  # fmt: skip
+
+
+def _tied_runs(mesh) -> dict:
+    return {(schedule, tied): _tied_run(mesh, schedule, tied) for schedule in ("1f1b", "zbv") for tied in (True, False)}
+
+
+def test_a_tied_weight_crosses_once_per_step_as_planned():
+    """The tied GPT's head reads the embedding's weight (transposed) on the last stage: it crosses
+    with the first micro-batch and its cotangents' sum comes back with the last backward, so each
+    rank sends exactly what `plan_pipeline` says (M x the activations + the weight once), where a
+    per-micro-batch relay sends the weight M times; no stage's micro-batches save a copy of the
+    weight each (measured by `step.profile`, and predicted). (zbv: stage 0 and the head's stage
+    share rank 0, the weight still goes through stages 1 and 2 on rank 1, once.)"""
+    with fs.testing.LocalWorld(2, axes={"pp": 2}) as world:
+        runs = world.run(_tied_runs)
+    weight = VOCAB_TIED * 32 * 4
+    for rank, by in enumerate(runs):
+        for schedule in ("1f1b", "zbv"):
+            r, untied = by[schedule, True], by[schedule, False]
+            assert "(once per step)" in r["cut"] and "(once per step)" not in untied["cut"], r["cut"]
+            assert r["lent"] == weight and r["sent"] == r["plan"], (rank, schedule, r)
+            assert r["sent"] < 2 * weight + 8 * r["activations"] * 4, (rank, schedule, r)  # relayed per micro-batch: 8 x weight
+            # every stage's micro-batches save what the untied model's save (predicted per micro-batch;
+            # measured at their most under 1F1B): the weight is held once, not by each micro-batch.
+            # (zbv holds less between I and W: the head's weight gradient is the lent value's
+            # cotangent, an input gradient computed in I, where the untied head's waits for W.)
+            assert r["saved"] == untied["saved"], (rank, schedule, r, untied)
+            if schedule == "1f1b":
+                assert r["held"] == untied["held"], (rank, schedule, r, untied)
+            else:
+                assert all(r["held"][s] <= untied["held"][s] for s in r["held"]), (rank, schedule, r, untied)

@@ -45,7 +45,7 @@ from .._stages import assign_stages, cut_stages, cut_traced, unit_of_nodes
 from ..pipeline import Pipeline, build_schedule, peak_in_flight
 from ..pipeline._actions import ActionKind
 from ._machine import Machine, h100_sxm
-from ._pipeline import _nbytes, _node_seconds, _plan, _stage_figures, _StageFigures, min_max_cut
+from ._pipeline import _node_seconds, _plan, _stage_figures, _StageFigures, min_max_cut
 from ._ranking import rank_with_reasons
 
 __all__ = ["PipelineCandidate", "tune_pipeline", "unit_table"]
@@ -80,6 +80,7 @@ class _Unit(NamedTuple):
     sent: int  # bytes crossing the boundary after it
     elements: int  # parameter elements
     differentiable: bool  # it receives a value with a gradient (else, beginning a stage, its I has none to compute)
+    lent: int = 0  # bytes crossing the boundary after it once per step (values made of parameters alone)
 
 
 class UnitTable:
@@ -110,9 +111,9 @@ class UnitTable:
             nbytes = sum(saved.values()) + sum(j[0] for j in joined)
             # a stage receiving no gradient-carrying value has no I: its W is the whole backward, all saved held
             held = sum(alive.values()) + sum(r.kept for r in rows) + sum(j[1] for j in joined) if rows[0].differentiable else nbytes
-            sent = rows[-1].sent if b < len(self.units) else 0
+            sent, lent = (rows[-1].sent, rows[-1].lent) if b < len(self.units) else (0, 0)
             self._stages[a, b] = _StageFigures(flops, seconds, nbytes, held, sent, sum(r.elements for r in rows),
-                                               max(r.elements for r in rows))  # fmt: skip
+                                               max(r.elements for r in rows), lent)  # fmt: skip
         return self._stages[a, b]
 
     def figures(self, bounds: Sequence[tuple[int, int]]) -> list[_StageFigures]:
@@ -233,9 +234,9 @@ def _measure(step: Any, cut, stage_of_leaf: list, batch: Any, machine: Machine, 
             saved[name] = nbytes
             if live:
                 alive[name] = nbytes
-        sent = sum(_nbytes(b) for b in p.sent) if p.index < last else 0
+        sent, lent = (cut.bytes_between(p.index), cut.lent_between(p.index)) if p.index < last else (0, 0)
         rows.append(_Unit(flops, seconds, tuple(entry), frozenset(reads), saved, alive, held - sum(alive.values()), sent,
-                          elements.get(p.index, 0), any(b.differentiable for b in p.received)))  # fmt: skip
+                          elements.get(p.index, 0), any(b.differentiable for b in p.received), lent))  # fmt: skip
     return rows
 
 

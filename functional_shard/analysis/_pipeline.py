@@ -37,6 +37,9 @@ class StagePlan(NamedTuple):
     held_after_input_bytes: int  # bytes a micro-batch holds from its I to its W (zero bubble; else unused)
     sent_bytes: int  # bytes it sends to the next stage (activations; cotangents come back as many or fewer)
     param_elements: int  # parameter elements of its units (whole, before fsdp)
+    # bytes it sends to the next stage once per step (values made of parameters alone: a tied
+    # weight; their cotangents' sum comes back once), held by every later stage that reads them
+    lent_bytes: int = 0
 
 
 class PipelinePlan(NamedTuple):
@@ -131,6 +134,7 @@ class _StageFigures(NamedTuple):
     sent: int
     elements: int
     largest: int = 0  # elements of its largest unit (the optimizer's update works one buffer at a time)
+    lent: int = 0  # bytes sent once per step
 
 
 def _stage_figures(step: Any, state: Any, batch: Any, machine: Machine) -> list[_StageFigures]:
@@ -147,8 +151,9 @@ def _stage_figures(step: Any, state: Any, batch: Any, machine: Machine) -> list[
     out = []
     for p in cut.stages:
         flops, seconds = _stage_seconds(p.module, machine)
-        sent = sum(_nbytes(b) for b in p.sent) if p.index < len(cut.stages) - 1 else 0
-        out.append(_StageFigures(flops, seconds, *sizes[p.index], sent, elements[p.index], largest.get(p.index, 0)))
+        inner = p.index < len(cut.stages) - 1
+        sent, lent = (cut.bytes_between(p.index), cut.lent_between(p.index)) if inner else (0, 0)
+        out.append(_StageFigures(flops, seconds, *sizes[p.index], sent, elements[p.index], largest.get(p.index, 0), lent))
     return out
 
 
@@ -167,13 +172,13 @@ def _plan(step: Any, state: Any, figures: list[_StageFigures], machine: Machine,
     scale = m0 / m  # per-micro-batch figures scale with the rows of a micro-batch
     stages = [
         StagePlan(i, compute.rank_of(i), int(f.flops * scale), f.seconds * scale, int(f.saved * scale),
-                  int(f.held * scale), int(f.sent * scale), f.elements)  # fmt: skip
+                  int(f.held * scale), int(f.sent * scale), f.elements, f.lent)  # fmt: skip
         for i, f in enumerate(figures)
     ]
     link = machine.collective_curve("all_gather", 2)[1] or 1.0
     costs = [
         Costs(forward=s.forward_s, backward=2 * s.forward_s, input_grad=s.forward_s, weight_grad=s.forward_s,
-              p2p=s.sent_bytes / link)  # fmt: skip
+              p2p=(s.sent_bytes + s.lent_bytes / m) / link)  # fmt: skip
         for s in stages
     ]
     analysis = analyze(compute.compute_only(), dict(enumerate(costs)))
@@ -194,10 +199,12 @@ def _plan(step: Any, state: Any, figures: list[_StageFigures], machine: Machine,
         out = 0
         for s in held[r]:
             if s.stage + 1 < len(stages) and compute.rank_of(s.stage + 1) != r:
-                out += s.sent_bytes * m
+                out += s.sent_bytes * m + s.lent_bytes
             if s.stage > 0 and compute.rank_of(s.stage - 1) != r:
-                out += stages[s.stage - 1].sent_bytes * m  # cotangents of what it received
+                out += stages[s.stage - 1].sent_bytes * m + stages[s.stage - 1].lent_bytes  # cotangents of what it received
         p2p.append(out)
+    # what is lent, held by each later stage for the step with its cotangents' sum (fp32)
+    lent_held = tuple(sum(2 * stages[s.stage - 1].lent_bytes for s in held[r] if s.stage > 0) for r in ranks)
     copies = gathers_copies(fsdp, step.precision)  # else their summed gradients alone are walked
     # The optimizer's update, after the pipeline: the state and gradient shards, and what the update
     # makes beside them: per element of the rank's shards, and of its largest buffer (a unit's shard).
@@ -210,8 +217,8 @@ def _plan(step: Any, state: Any, figures: list[_StageFigures], machine: Machine,
         tuple(round(sum(per_stage[s.stage] for s in held[r])) for r in ranks),
         states, gathered_bytes,
         tuple(p2p), per_element, fsdp,
-        tuple(max(state + (gathered // 2 if copies else 0) + round(w), update)
-              for state, gathered, w, update in zip(states, gathered_bytes, walked, updates)),
+        tuple(max(state + (gathered // 2 if copies else 0) + round(w) + lent, update)
+              for state, gathered, w, update, lent in zip(states, gathered_bytes, walked, updates, lent_held)),
         updates,
     )  # fmt: skip
 
@@ -221,13 +228,6 @@ def gathers_copies(fsdp: int, precision) -> bool:
     sharded (`fsdp` > 1) or its parameters are cast (`precision.param_dtype`); an unsharded stage
     with no cast computes on its state's own tensors."""
     return fsdp > 1 or (precision is not None and precision.param_dtype is not None)
-
-
-def _nbytes(b) -> int:
-    n = b.dtype.itemsize
-    for d in b.shape:
-        n *= d
-    return n
 
 
 def pipeline_chrome_trace(profiles) -> dict:
