@@ -394,14 +394,20 @@ def _backward(a: Action, st: _Stage, stages, program, schedule, last, ready, mes
         it = iter(got[: len(diff_params)])
         _add_gradients(st, [next(it) if p.requires_grad else None for p in st.leaves])
         cots = got[len(diff_params):]
-    cots = [c if c is not None else torch.zeros_like(t) for c, t in zip(cots, diff_inputs)]
-    if any(lent):
-        for j, c in enumerate(cots):
-            if lent[j]:
-                total = st.lent_cotangents.get(j)
-                c32 = c.to(torch.promote_types(c.dtype, torch.float32))
-                st.lent_cotangents[j] = c32 if total is None else total + c32
-                cots[j] = st.lent_cotangents.pop(j).to(c.dtype) if m == last_b else None
+    cots = list(cots)
+    for j, (c, t) in enumerate(zip(cots, diff_inputs)):
+        if lent and lent[j]:  # summed here, sent once (a stage relaying it gets None but once: no zeros added)
+            total = st.lent_cotangents.get(j)
+            if c is not None:
+                c = c.to(torch.promote_types(c.dtype, torch.float32))
+                st.lent_cotangents[j] = c if total is None else total + c
+            if m == last_b:
+                total = st.lent_cotangents.pop(j, None)
+                cots[j] = torch.zeros_like(t) if total is None else total.to(t.dtype)
+            else:
+                cots[j] = None
+        elif c is None:
+            cots[j] = torch.zeros_like(t)
     st.input_cotangents[m] = cots
 
 
