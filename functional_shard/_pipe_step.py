@@ -27,6 +27,7 @@ from ._checks import check_leaves, check_same_values
 from ._jit import agree
 from ._layout import make_layout
 from ._mesh import BaseMesh, Mesh, MeshError, PeerError
+from ._pipe_aux import aux_of
 from ._pipe_figures import StageFigures
 from ._pipe_run import PointToPoint, run_actions
 from ._pipe_saved import Recorder
@@ -55,8 +56,6 @@ class PipelineStep(StageFigures):
 
     def __init__(self, loss_fn: Callable, mesh: BaseMesh, *, optimizer, pipeline: Pipeline, microbatches: int,
                  trace: bool, remat: Any = False, compile: bool = False, canonical_chunks: int | None = None, units, has_aux: bool, donate: bool, precision, nonfinite, placements):  # fmt: skip
-        if has_aux:
-            raise StepError("a pipelined step does not return aux yet (has_aux=True): return the loss only")
         if precision is not None and precision.loss_scale is not None:
             raise StepError("a pipelined step does not support fp16 loss scaling yet: use bfloat16 (fs.Precision(...))")
         if not mesh.abstract and not isinstance(mesh, Mesh):
@@ -83,7 +82,7 @@ class PipelineStep(StageFigures):
                 f"a pipelined step rematerializes whole stages: remat=True, a tuple of unit names or a function "
                 f"unit -> bool (a stage is recomputed if any of its units is chosen); got {remat!r}"
             )
-        self.remat, self.compile = remat, compile
+        self.remat, self.compile, self.has_aux = remat, compile, has_aux
         self._remat_stages: frozenset = frozenset()
         self.units, self.donate, self.precision, self.placements = units, donate, precision, placements
         self.nonfinite = _nonfinite.resolve(nonfinite, donate=donate, loss_scale=None)
@@ -236,7 +235,8 @@ class PipelineStep(StageFigures):
         if cut is None:
             error = None
             try:
-                cut = cut_stages(self.loss_fn, self._treedef, self._meta, self._stage_of_leaf, micro, self.num_stages, self.mesh)
+                cut = cut_stages(self.loss_fn, self._treedef, self._meta, self._stage_of_leaf, micro, self.num_stages, self.mesh,
+                                 has_aux=self.has_aux)  # fmt: skip
             except Exception as e:  # noqa: BLE001
                 error = e
             self._together("a training step", error, "could not trace and cut loss_fn into pipeline stages")
@@ -294,7 +294,8 @@ class PipelineStep(StageFigures):
         params = sharded if skip else sharded.replace(shards=out.shards)
         opt_state = state.opt_state if skip else out.opt_state
         new_state = StepState(params, opt_state, None, state.rng, state.step + 1, self._key)
-        return new_state, {"loss": out.mean_loss, "local_loss": out.loss, "grad_norm": out.grad_norm, "skipped": torch.tensor(skip)}
+        return new_state, self._aux({"loss": out.mean_loss, "local_loss": out.loss, "grad_norm": out.grad_norm,
+                                     "skipped": torch.tensor(skip)}, cut, result)  # fmt: skip
 
     def grad(self, state: StepState, batch: Any) -> tuple[Sharded, dict[str, Any]]:
         """The mean gradient this step would apply, without applying it: `(grads, metrics)`;
@@ -307,7 +308,7 @@ class PipelineStep(StageFigures):
             mean_loss, loss, grads = self._mean(cut, result)
         shards = [grads.get(spec.name, torch.zeros_like(s)) for spec, s in zip(sharded.layout.buffers, sharded.shards)]
         out = sharded.replace(shards=shards, local=[torch.zeros_like(t) for t in sharded.local])
-        return out, {"loss": mean_loss, "local_loss": loss}
+        return out, self._aux({"loss": mean_loss, "local_loss": loss}, cut, result)
 
     def _sums(self, cut: Cut, losses: list) -> torch.Tensor:
         """[sum of losses, sum of weight * loss, sum of weights] over micro-batches, pipeline
@@ -393,7 +394,14 @@ class PipelineStep(StageFigures):
         cut, result = self._run(state, batch, forward_only=True)
         with torch.no_grad():
             mean = self._mean(cut, result)[0].reshape(())
-        return {"loss": mean, "local_loss": mean}
+        return self._aux({"loss": mean, "local_loss": mean}, cut, result)
+
+    def _aux(self, metrics: dict, cut: Cut, result) -> dict:
+        """`metrics` with `aux` (has_aux=True) on every pipeline rank (`_pipe_aux`). A collective."""
+        if self.has_aux:
+            last = self.schedule.rank_of(self.num_stages - 1)
+            metrics["aux"] = aux_of(cut, result.losses, self.mesh, last, self.microbatches)
+        return metrics
 
     def profile(self, state: StepState, batch: Any) -> "PipelineProfile":
         """Run the step's actions on `batch` once (no update: as `grad`), timing each action and

@@ -76,6 +76,7 @@ class Cut(NamedTuple):
     summed: bool  # WeightedLoss(summed=True): the objective is the loss itself
     loss_dtype: torch.dtype
     random_stages: tuple[int, ...] = ()  # the stage of each random operation, in the order loss_fn draws
+    aux: Any = None  # has_aux: the tree of aux's tensors, which follow the loss values in the last stage's outputs
 
     def bytes_between(self, stage: int) -> int:
         """Bytes stage `stage` sends to the next one per micro-batch (its activations; what is
@@ -194,6 +195,7 @@ def cut_stages(
     micro_batch: Any,
     num_stages: int,
     mesh: Any,
+    has_aux: bool = False,
 ) -> Cut:
     """Trace `loss_fn(params, micro_batch)` with fake tensors and cut it into `num_stages` programs.
 
@@ -207,6 +209,8 @@ def cut_stages(
         num_stages: the stages of the pipeline (0: return the traced graph, uncut; `cut_traced`
             cuts it, as often as wanted).
         mesh: the step's mesh (for `split_loss` messages).
+        has_aux: loss_fn returns `(loss, aux)`: aux's tensors (detached) follow the loss values
+            among the last stage's outputs (`Cut.aux`: their tree).
     """
     batch_leaves, batch_def = tree_flatten(micro_batch)
     if any(not isinstance(b, torch.Tensor) for b in batch_leaves):
@@ -216,8 +220,15 @@ def cut_stages(
     def flat(params, batch):
         with _tracing.graph_semantics(), _tracing.adjoint_ops():
             out = loss_fn(tree_unflatten(treedef, list(params)), tree_unflatten(batch_def, list(batch)))
-        values, weighted, summed = _loss_outputs(out, False, mesh)
-        info.update(weighted=weighted, summed=summed, dtype=values[0].dtype)
+        values, weighted, summed = _loss_outputs(out, has_aux, mesh)
+        aux = None
+        if has_aux:
+            leaves, aux = tree_flatten(split_loss(out, has_aux, mesh)[1])
+            bad = [type(x).__name__ for x in leaves if not isinstance(x, torch.Tensor)]
+            if bad:
+                raise StepError(f"a pipelined loss_fn's aux must hold tensors only (they travel to every pipeline rank); it holds {bad}")
+            values = values + [x.detach() for x in leaves]
+        info.update(weighted=weighted, summed=summed, dtype=values[0].dtype, aux=aux)
         return values
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -373,7 +384,7 @@ def _cut(gm: fx.GraphModule, num_params: int, stage_of_leaf, num_stages: int, in
             "params argument (apply_fn(params, x))"
         )
     random = tuple(stage[n] for n in graph.nodes if n.op == "call_function" and not _deterministic(n))
-    return Cut(tuple(programs), info["weighted"], info["summed"], info["dtype"], random)
+    return Cut(tuple(programs), info["weighted"], info["summed"], info["dtype"], random, info.get("aux"))
 
 
 def _deterministic(n: fx.Node) -> bool:

@@ -162,7 +162,7 @@ def unit_table(step: Any, state: Any, batch: Any, machine: Machine) -> UnitTable
     step._check_state(state, "fs.analysis.tune_pipeline(step, state, batch)")
     micro = step._micro(batch)[0]
     position, num_params, n = step._unit_of_leaf, len(step._meta), len(step._units)
-    gm = cut_stages(step.loss_fn, step._treedef, step._meta, position, micro, 0, step.mesh)
+    gm = cut_stages(step.loss_fn, step._treedef, step._meta, position, micro, 0, step.mesh, has_aux=step.has_aux)
     for node in gm.graph.nodes:
         node.meta["fs_origin"] = node.name  # the programs' copies keep it (node_copy copies meta)
     names = [node.name for node in gm.graph.nodes if node.op == "placeholder"]
