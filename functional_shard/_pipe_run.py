@@ -125,6 +125,7 @@ def run_actions(
     recorder: Recorder | None = None,
     remat: frozenset = frozenset(),
     canonical: Any = None,
+    seed: torch.Tensor | None = None,
 ) -> RunResult:
     """Run this rank's `row` of `schedule`.
 
@@ -140,6 +141,7 @@ def run_actions(
         p2p: the transfers' issuer.
         backward: False for a forward-only run (evaluation): no autograd graph is kept.
         recorder: a `Recorder` to fill (profiling), or None.
+        seed: what the loss's backward is seeded with (fp16 loss scaling: the scale), else 1.
         remat: the stages whose forward keeps no activations: their B (or I) recomputes it
             from the stage's inputs, with the RNG state the F saw (the same bits).
         canonical: a layout-invariant step's chunks (`_canonical.Canonical`), or None: each
@@ -269,7 +271,7 @@ def run_actions(
                 st.outputs[m] = [o.detach() for o in outputs] + ([torch.get_rng_state()] if canonical is not None else [])
             del inputs, outputs, run  # the graph is st.graphs[m]'s alone: an I frees its output side
         elif a.kind in (K.B, K.I, K.W):
-            _backward(a, st, stages, program, schedule, last, ready, mesh, last_b.get(s))
+            _backward(a, st, stages, program, schedule, last, ready, mesh, last_b.get(s), seed)
             if recorder is not None and a.kind in (K.B, K.W):
                 recorder.backward_done(s, m)
             elif recorder is not None and a.kind is K.I and s not in remat:
@@ -350,7 +352,7 @@ def _recompute(run, rng, mesh) -> list:
             return run()
 
 
-def _backward(a: Action, st: _Stage, stages, program, schedule, last, ready, mesh=None, last_b=None) -> None:
+def _backward(a: Action, st: _Stage, stages, program, schedule, last, ready, mesh=None, last_b=None, seed=None) -> None:
     """B, I or W of micro-batch `a.microbatch` through stage `a.stage`: gradients of the parameters
     added to the stage's sums (B, W), cotangents of the received values kept for SEND_B (B, I).
     I and W split the backward (`_split_backward`): I runs the input path only and keeps, until
@@ -365,8 +367,9 @@ def _backward(a: Action, st: _Stage, stages, program, schedule, last, ready, mes
     inputs, outputs = st.graphs.pop(m)
     if isinstance(outputs, tuple):  # rematerialized: recomputed here (an I's graph serves its W)
         outputs = _recompute(*outputs, mesh)
-    if s == last:  # the loss: seeded with 1 (the mean over micro-batches and ranks is taken after)
-        roots, cotangents = [outputs[0]], [torch.ones_like(outputs[0])]
+    if s == last:  # the loss: seeded with 1, or the loss scale (the mean over micro-batches and ranks is taken after)
+        one = torch.ones_like(outputs[0])
+        roots, cotangents = [outputs[0]], [one if seed is None else one * seed.to(one.dtype)]
     else:
         roots = [o for o, b in zip(outputs, program.sent) if b.differentiable]
         if schedule.rank_of(s + 1) == schedule.rank_of(s):

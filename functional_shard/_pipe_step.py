@@ -56,8 +56,12 @@ class PipelineStep(StageFigures):
 
     def __init__(self, loss_fn: Callable, mesh: BaseMesh, *, optimizer, pipeline: Pipeline, microbatches: int,
                  trace: bool, remat: Any = False, compile: bool = False, canonical_chunks: int | None = None, units, has_aux: bool, donate: bool, precision, nonfinite, placements):  # fmt: skip
-        if precision is not None and precision.loss_scale is not None:
-            raise StepError("a pipelined step does not support fp16 loss scaling yet: use bfloat16 (fs.Precision(...))")
+        self.loss_scale = precision.loss_scale if precision is not None else None  # an fs.LossScale (fp16), or None
+        if self.loss_scale is not None and donate:
+            raise StepError(
+                "loss scaling skips the update of a step whose gradient is not finite, which needs the old "
+                "parameters: it cannot be combined with donate=True"
+            )
         if not mesh.abstract and not isinstance(mesh, Mesh):
             raise MeshError(
                 f"the model-parallel axis 'pp' (size {mesh.shape['pp']}) of the {mesh.describe()} needs point-to-point "
@@ -85,7 +89,7 @@ class PipelineStep(StageFigures):
         self.remat, self.compile, self.has_aux = remat, compile, has_aux
         self._remat_stages: frozenset = frozenset()
         self.units, self.donate, self.precision, self.placements = units, donate, precision, placements
-        self.nonfinite = _nonfinite.resolve(nonfinite, donate=donate, loss_scale=None)
+        self.nonfinite = _nonfinite.resolve(nonfinite, donate=donate, loss_scale=self.loss_scale)
         self.num_ranks = mesh.shape["pp"]
         self.pp_rank = mesh.coordinates["pp"]
         base = build_schedule(pipeline, self.num_ranks, microbatches)
@@ -195,7 +199,8 @@ class PipelineStep(StageFigures):
                 sharded = shard_leaves(layout, [p.detach() for p in pieces], self.mesh)
             trainable = {spec.name: s for spec, s in zip(layout.buffers, sharded.shards) if spec.trainable}
             opt_state = self.optimizer.init(trainable, leaves=self._leaf_layout(layout))
-        return StepState(sharded, opt_state, None, torch.tensor(seed, dtype=torch.int64), 0, self._key)
+        scale = self.loss_scale.init() if self.loss_scale is not None else None
+        return StepState(sharded, opt_state, scale, torch.tensor(seed, dtype=torch.int64), 0, self._key)
 
     @property
     def _blocks(self) -> int:
@@ -272,11 +277,12 @@ class PipelineStep(StageFigures):
         flat = [tree_flatten(m)[0] for m in micro]
         local = {i: sharded.local[k] for k, i in enumerate(_local_full(self._leaf_index, sharded.layout))}
         schedule = self.eval_schedule if forward_only else self.schedule
+        seed = state.loss_scale.scale if state.loss_scale is not None and not forward_only else None
         with self._random_stream(state), torch.set_grad_enabled(not forward_only):
             result = run_actions(schedule, schedule.actions[self.pp_rank], cut, sharded.layout, sharded.shards, local,
                                  self._leaf_index, flat, self.mesh, PointToPoint(self.mesh, self.trace),
                                  backward=not forward_only, recorder=recorder, remat=self._remat_stages,
-                                 canonical=self.canonical)  # fmt: skip
+                                 canonical=self.canonical, seed=seed)  # fmt: skip
         return cut, result
 
     def __call__(self, state: StepState, batch: Any) -> tuple[StepState, dict[str, Any]]:
@@ -290,12 +296,15 @@ class PipelineStep(StageFigures):
             out = self._update(cut, result, sharded, state, scalars)
         if self.donate:
             self._key.donated.add(state)
-        skip = _nonfinite.skip_update(self.nonfinite, out, step=state.step, rank=self.mesh.rank, loss_scale=None, donated=self.donate)
+        skip = _nonfinite.skip_update(self.nonfinite, out, step=state.step, rank=self.mesh.rank, loss_scale=self.loss_scale,
+                                      donated=self.donate)  # fmt: skip
         params = sharded if skip else sharded.replace(shards=out.shards)
         opt_state = state.opt_state if skip else out.opt_state
-        new_state = StepState(params, opt_state, None, state.rng, state.step + 1, self._key)
-        return new_state, self._aux({"loss": out.mean_loss, "local_loss": out.loss, "grad_norm": out.grad_norm,
-                                     "skipped": torch.tensor(skip)}, cut, result)  # fmt: skip
+        new_state = StepState(params, opt_state, out.loss_scale, state.rng, state.step + 1, self._key)
+        metrics = {"loss": out.mean_loss, "local_loss": out.loss, "grad_norm": out.grad_norm, "skipped": torch.tensor(skip)}
+        if state.loss_scale is not None:
+            metrics["loss_scale"] = state.loss_scale.scale  # the scale this step used
+        return new_state, self._aux(metrics, cut, result)
 
     def grad(self, state: StepState, batch: Any) -> tuple[Sharded, dict[str, Any]]:
         """The mean gradient this step would apply, without applying it: `(grads, metrics)`;
@@ -305,7 +314,7 @@ class PipelineStep(StageFigures):
         sharded = state.params
         cut, result = self._run(state, batch)
         with torch.no_grad():
-            mean_loss, loss, grads = self._mean(cut, result)
+            mean_loss, loss, grads = self._mean(cut, result, state.loss_scale)
         shards = [grads.get(spec.name, torch.zeros_like(s)) for spec, s in zip(sharded.layout.buffers, sharded.shards)]
         out = sharded.replace(shards=shards, local=[torch.zeros_like(t) for t in sharded.local])
         return out, self._aux({"loss": mean_loss, "local_loss": loss}, cut, result)
@@ -341,16 +350,20 @@ class PipelineStep(StageFigures):
                 out = torch.stack([(_canonical.tree_sum(every) / self.canonical.chunks).reshape(()), out[1]])
         return self.mesh.all_reduce_flat(out.contiguous(), ("pp",))
 
-    def _mean(self, cut: Cut, result):
-        """(mean loss over everything, this rank's loss, mean gradient shards by buffer name)."""
+    def _mean(self, cut: Cut, result, loss_scale=None):
+        """(mean loss over everything, this rank's loss, mean gradient shards by buffer name);
+        with fp16 loss scaling (`loss_scale`: the state's) the gradients divided by the scale the
+        backward was seeded with, after the mean, as the plain step does."""
         mesh = self.mesh
+        scale = loss_scale.scale if loss_scale is not None else None
+        unscale = (lambda g: g / scale.to(g.dtype)) if scale is not None else (lambda g: g)  # noqa: E731
         if self.canonical is not None:
             sums = self._canonical_sums(cut, result.losses)
             if cut.weighted:
-                mean_loss, grads = (sums[0] / sums[1]).reshape(()), _divided(result.grads, lambda g: g / sums[1].to(g.dtype))
+                mean_loss, grads = (sums[0] / sums[1]).reshape(()), _divided(result.grads, lambda g: unscale(g / sums[1].to(g.dtype)))
             else:
                 count = self.canonical.chunks
-                mean_loss, grads = sums[0].reshape(()), _divided(result.grads, lambda g: g / count if count != 1 else g)
+                mean_loss, grads = sums[0].reshape(()), _divided(result.grads, lambda g: unscale(g / count if count != 1 else g))
             loss = mean_loss
             if result.losses:
                 loss = (sum(v[1].float() for v in result.losses) / len(result.losses)).reshape(())
@@ -358,11 +371,11 @@ class PipelineStep(StageFigures):
         sums = self._sums(cut, result.losses)
         if cut.weighted:
             mean_loss = (sums[1] / sums[2]).reshape(())
-            grads = _divided(result.grads, lambda g: g / sums[2].to(g.dtype))
+            grads = _divided(result.grads, lambda g: unscale(g / sums[2].to(g.dtype)))
         else:
             count = mesh.data_size * self.microbatches
             mean_loss = (sums[0] / count).reshape(())
-            grads = _divided(result.grads, lambda g: g / count if count != 1 else g)
+            grads = _divided(result.grads, lambda g: unscale(g / count if count != 1 else g))
         loss = mean_loss
         if result.losses:
             loss = (sum(v[1].float() for v in result.losses) / len(result.losses)).reshape(())
@@ -370,7 +383,7 @@ class PipelineStep(StageFigures):
 
     def _update(self, cut: Cut, result, sharded: Sharded, state: StepState, scalars) -> StepOutput:
         layout, mesh = sharded.layout, self.mesh
-        mean_loss, loss, grads = self._mean(cut, result)
+        mean_loss, loss, grads = self._mean(cut, result, state.loss_scale)
         trainable = {spec.name: s for spec, s in zip(layout.buffers, sharded.shards) if spec.trainable}
         whole = layout.replicated_buffers
         replicated = [name in whole for name in grads] if whole else None
@@ -385,7 +398,9 @@ class PipelineStep(StageFigures):
         new, opt_state = self.optimizer.apply(grads, state.opt_state, trainable, scalars, inplace=self.donate, mesh=mesh,
                                               leaves=self._leaf_layout(layout))  # fmt: skip
         shards = [new.get(spec.name, s) for spec, s in zip(layout.buffers, sharded.shards)]
-        return StepOutput(shards, sharded.local, opt_state, None, mean_loss, loss, norm, None, ())
+        # the norm is all-reduced: every rank reads the same verdict (the scale backs off or grows)
+        scale = self.loss_scale.next(state.loss_scale, torch.isfinite(norm)) if self.loss_scale is not None else None
+        return StepOutput(shards, sharded.local, opt_state, scale, mean_loss, loss, norm, None, ())
 
     def evaluate(self, state: StepState, batch: Any) -> dict[str, Any]:
         """The loss on `batch` without training: the forward actions of the schedule (GPipe's

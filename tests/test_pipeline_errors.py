@@ -11,7 +11,7 @@ On real gloo processes (the session's world of 2):
   the eager oracle runs them) deadlocks where batched non-blocking sends (the traced step) do
   not: refused for `trace=False` only;
 - a schedule built for another number of pipeline ranks or micro-batches (before any collective);
-- fp16 loss scaling, compile=True with an I/W-split schedule or with the eager oracle
+- fp16 loss scaling with donate=True, compile=True with an I/W-split schedule or with the eager oracle
   (before any collective);
 - more stages than the model has blocks (`step.init`, on every rank);
 - micro-batches that do not divide the batch, on every rank or on one rank only: every rank
@@ -221,7 +221,7 @@ FP16_SCALED = fs.Precision(param_dtype=torch.float16, loss_scale=fs.LossScale())
 @pytest.mark.parametrize(
     "kw, expected",
     [
-        ({"precision": FP16_SCALED}, ["loss scaling", "bfloat16"]),
+        ({"precision": FP16_SCALED, "donate": True}, ["loss scaling", "donate=True"]),
         ({"compile": True, "schedule": "zb_h1"}, ["compile=True", "'zb_h1'", "I and W", "1f1b"]),
         ({"compile": True, "trace": False}, ["compile=True with trace=False", "oracle"]),
     ],
