@@ -53,7 +53,7 @@ from torch import nn
 
 from ._collectives import _all_gather, copy_to, gather_along, scatter_along
 from ._placement import PlacementError
-from .._tracing import carried
+from .._tracing import adjoint_ops_enabled, carried
 
 __all__ = [
     "SEQUENCE_DIM",
@@ -218,7 +218,9 @@ def column_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """A column-parallel matmul on a gathered sequence (`gather_sequence`'s output): saves the
     slice and gathers again in the backward; on any other tensor, `F.linear`."""
     regather = getattr(x, "_fs_regather", None)
-    if regather is None or regather.shard is None or not torch.is_grad_enabled():
+    # (a pipeline stage is traced into aten operations differentiated by their own formulas: there
+    # the Linear saves the gathered input, as without sequence parallelism, and does not gather again)
+    if regather is None or regather.shard is None or not torch.is_grad_enabled() or adjoint_ops_enabled():
         return F.linear(x, weight, bias)
     regather.users += 1
     return LinearOnGathered.apply(x, regather.shard, weight, bias, regather)
