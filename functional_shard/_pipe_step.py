@@ -29,6 +29,7 @@ from ._layout import make_layout
 from ._mesh import BaseMesh, Mesh, MeshError, PeerError
 from ._pipe_aux import aux_of
 from ._pipe_figures import StageFigures
+from ._pipe_mean import mean_of
 from ._pipe_run import PointToPoint, run_actions
 from ._pipe_saved import Recorder
 from ._placed import place, resolve_placements
@@ -37,7 +38,8 @@ from .initialize import shard_from
 from ._microbatches import split_microbatches
 from ._reference import StepError, StepOutput
 from ._shard import Sharded, _check_shards, shard_leaves
-from ._stages import Cut, assign_stages, cut_stages
+from ._stage_assign import assign_stages
+from ._stages import Cut, cut_stages
 from ._state import StepState, _StepKey, check_not_donated
 from ._tree import BUFFER, FROZEN, TRAINABLE, ModuleParams
 from .optim import LeafLayout, global_norm
@@ -319,67 +321,9 @@ class PipelineStep(StageFigures):
         out = sharded.replace(shards=shards, local=[torch.zeros_like(t) for t in sharded.local])
         return out, self._aux({"loss": mean_loss, "local_loss": loss}, cut, result)
 
-    def _sums(self, cut: Cut, losses: list) -> torch.Tensor:
-        """[sum of losses, sum of weight * loss, sum of weights] over micro-batches, pipeline
-        stages (only the last has any) and data-parallel ranks: one all-reduce."""
-        local = torch.zeros(3, dtype=torch.float32, device=getattr(self.mesh, "device", torch.device("cpu")))
-        if losses:
-            total = losses[0][1].reshape(1).float()
-            for values in losses[1:]:
-                total = total + values[1].float()
-            local[0] = total[0]
-            if cut.weighted:
-                local[1] = sum((v[1].float() * v[2] for v in losses[1:]), losses[0][1].float() * losses[0][2])
-                local[2] = sum((v[2] for v in losses[1:]), losses[0][2])
-        axes = (*self.mesh.data_axes, "pp")
-        return self.mesh.all_reduce_flat(local, axes)
-
-    def _canonical_sums(self, cut: Cut, losses: list) -> torch.Tensor:
-        """A layout-invariant step's [mean loss, sum of weights] (weighted: [sum of weight x loss,
-        sum of weights]): the last stage's chunk values met over the data axes and added in the
-        canonical tree, as the plain step adds them; every pipeline rank gets them (one all-reduce
-        over `pp` where the other stages add zeros: exact)."""
-        device = getattr(self.mesh, "device", torch.device("cpu"))
-        out = torch.zeros(2, dtype=torch.float32, device=device)
-        if losses:
-            if cut.weighted:
-                pairs = torch.stack([torch.stack([v[1].float() * v[2], v[2]]) for v in losses])
-                out = _canonical.tree_sum(_canonical.chunk_values(pairs, self.mesh))
-            else:
-                every = _canonical.chunk_values(torch.stack([v[1].float() for v in losses]), self.mesh)
-                out = torch.stack([(_canonical.tree_sum(every) / self.canonical.chunks).reshape(()), out[1]])
-        return self.mesh.all_reduce_flat(out.contiguous(), ("pp",))
-
     def _mean(self, cut: Cut, result, loss_scale=None):
-        """(mean loss over everything, this rank's loss, mean gradient shards by buffer name);
-        with fp16 loss scaling (`loss_scale`: the state's) the gradients divided by the scale the
-        backward was seeded with, after the mean, as the plain step does."""
-        mesh = self.mesh
-        scale = loss_scale.scale if loss_scale is not None else None
-        unscale = (lambda g: g / scale.to(g.dtype)) if scale is not None else (lambda g: g)  # noqa: E731
-        if self.canonical is not None:
-            sums = self._canonical_sums(cut, result.losses)
-            if cut.weighted:
-                mean_loss, grads = (sums[0] / sums[1]).reshape(()), _divided(result.grads, lambda g: unscale(g / sums[1].to(g.dtype)))
-            else:
-                count = self.canonical.chunks
-                mean_loss, grads = sums[0].reshape(()), _divided(result.grads, lambda g: unscale(g / count if count != 1 else g))
-            loss = mean_loss
-            if result.losses:
-                loss = (sum(v[1].float() for v in result.losses) / len(result.losses)).reshape(())
-            return mean_loss, loss, grads
-        sums = self._sums(cut, result.losses)
-        if cut.weighted:
-            mean_loss = (sums[1] / sums[2]).reshape(())
-            grads = _divided(result.grads, lambda g: unscale(g / sums[2].to(g.dtype)))
-        else:
-            count = mesh.data_size * self.microbatches
-            mean_loss = (sums[0] / count).reshape(())
-            grads = _divided(result.grads, lambda g: unscale(g / count if count != 1 else g))
-        loss = mean_loss
-        if result.losses:
-            loss = (sum(v[1].float() for v in result.losses) / len(result.losses)).reshape(())
-        return mean_loss, loss, grads
+        """(mean loss over everything, this rank's loss, mean gradient shards by buffer name): `_pipe_mean`."""
+        return mean_of(cut, result, self.mesh, self.microbatches, self.canonical, loss_scale)
 
     def _update(self, cut: Cut, result, sharded: Sharded, state: StepState, scalars) -> StepOutput:
         layout, mesh = sharded.layout, self.mesh
@@ -517,9 +461,3 @@ class PipelineProfile(NamedTuple):
     in_flight_bytes: dict  # stage -> most bytes of saved activations held at once, measured
     predicted_bytes: dict  # stage -> the same, predicted: the schedule walked at bytes per micro-batch (fake tensors)
     saved_per_microbatch: dict  # stage -> bytes one micro-batch's forward saves, predicted on fake tensors
-
-
-def _divided(sums: dict, divide) -> dict:
-    """`{name: divide(sum)}`, emptying `sums` as it goes: each summed gradient is let go as soon as
-    its mean exists, so the update holds one gradient per buffer, not the sums beside the means."""
-    return {name: divide(sums.pop(name)) for name in list(sums)}

@@ -41,7 +41,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from .._losses import StepError
 from .._pipe_saved import split_bytes
-from .._stages import assign_stages, cut_stages, cut_traced, unit_of_nodes
+from .._stage_assign import assign_stages
+from .._stages import cut_stages, cut_traced, unit_of_nodes
 from ..pipeline import Pipeline, build_schedule, peak_in_flight
 from ..pipeline._actions import ActionKind
 from ._machine import Machine, h100_sxm
