@@ -8,10 +8,12 @@ Each action does one thing (`docs/pipelining.md`):
 - `F s m`: run stage s's program on micro-batch m (its received values, its gathered
   parameters, its batch leaves), keeping its autograd graph;
 - `B s m`: the backward of `F s m` from the received cotangents (the last stage: from the
-  loss, seeded with 1): the parameters' gradients added to the stage's sum, the inputs'
+  loss, seeded with 1, or fp16 loss scaling's scale): the parameters' gradients added to the stage's sum, the inputs'
   cotangents kept for `SEND_B`; `I s m` then `W s m`: the same in two halves, the input path
   first, the weight side later, each node run once (`_split_backward`);
-- `SEND_F`/`RECV_F`/`SEND_B`/`RECV_B`: point-to-point over the `pp` axis (`PointToPoint`);
+- `SEND_F`/`RECV_F`/`SEND_B`/`RECV_B`: point-to-point over the `pp` axis (`PointToPoint`); a
+  lent value (`Boundary.lent`: made of parameters alone, a tied weight) rides only the message
+  of the receiving stage's first forward, and its cotangents' sum only that of its last backward;
 - `RESHARD s`: drop the gathered leaves; `REDUCE_GRAD s`: the stage's summed full gradients,
   flattened per buffer, reduce-scattered over the shard axis and summed over replicate axes.
 
