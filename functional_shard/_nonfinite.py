@@ -61,7 +61,13 @@ class NonFiniteError(StepError):
 
 
 def resolve(policy: Any, *, donate: bool, loss_scale: Any) -> NonFinite:
-    """The policy a step runs with: `policy` checked, None resolved (skip; raise with donate)."""
+    """The policy a step runs with: `policy` checked, None resolved (skip; raise with donate).
+    Loss scaling (`loss_scale`) with `donate` is refused: a skipped step needs the old parameters."""
+    if loss_scale is not None and donate:
+        raise StepError(
+            "loss scaling skips the update of a step whose gradient is not finite, which needs the old "
+            "parameters: it cannot be combined with donate=True"
+        )
     if policy is None:
         policy = NonFinite.RAISE if donate else NonFinite.SKIP
     try:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from ._pytree import tree_unflatten
-from ._stages import Cut
+from ._stages import Cut, boundary_bytes
 
 __all__ = ["aux_of"]
 
@@ -38,9 +38,7 @@ def aux_of(cut: Cut, losses: list, mesh, last_rank: int, microbatches: int) -> A
         for _ in range(microbatches):
             tensors = []
             for b in specs:
-                n = b.dtype.itemsize
-                for d in b.shape:
-                    n *= d
+                n = boundary_bytes(b)
                 tensors.append(mine[offset : offset + n].clone().view(b.dtype).reshape(b.shape))
                 offset += n
             values.append(tensors)

@@ -59,11 +59,6 @@ class PipelineStep(StageFigures):
     def __init__(self, loss_fn: Callable, mesh: BaseMesh, *, optimizer, pipeline: Pipeline, microbatches: int,
                  trace: bool, remat: Any = False, compile: bool = False, canonical_chunks: int | None = None, units, has_aux: bool, donate: bool, precision, nonfinite, placements):  # fmt: skip
         self.loss_scale = precision.loss_scale if precision is not None else None  # an fs.LossScale (fp16), or None
-        if self.loss_scale is not None and donate:
-            raise StepError(
-                "loss scaling skips the update of a step whose gradient is not finite, which needs the old "
-                "parameters: it cannot be combined with donate=True"
-            )
         if not mesh.abstract and not isinstance(mesh, Mesh):
             raise MeshError(
                 f"the model-parallel axis 'pp' (size {mesh.shape['pp']}) of the {mesh.describe()} needs point-to-point "

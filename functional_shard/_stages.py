@@ -345,7 +345,7 @@ def _movable(n: fx.Node, params: set) -> bool:
     target = n.target
     if n.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or target.namespace != "aten":
         return False
-    if target._schema.is_mutable or torch.Tag.nondeterministic_seeded in target.tags or _bytes(n) is None:
+    if target._schema.is_mutable or not _deterministic(n) or _bytes(n) is None:
         return False
     return not any(i in params or _bytes(i) is None for i in n.all_input_nodes)
 

@@ -94,11 +94,6 @@ class ShardedStep:
             )
         microbatches = canonical.per_rank if canonical is not None else microbatches
         loss_scale = precision.loss_scale if precision is not None else None
-        if loss_scale is not None and donate:
-            raise StepError(
-                "loss scaling skips the update of a step whose gradient is not finite, which needs the old "
-                "parameters: it cannot be combined with donate=True"
-            )
         self.nonfinite = _nonfinite.resolve(nonfinite, donate=donate, loss_scale=loss_scale)
         if schedule.trace and not mesh.supports_tracing:
             raise StepError(

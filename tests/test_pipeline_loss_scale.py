@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 import functional_shard as fs
 from functional_shard.models import GPT, GPTConfig
+from test_pipeline_step import distance  # Euclidean distance over every parameter element
 
 VOCAB, ROWS, LENGTH, M, STEPS = 32, 4, 8, 2, 8
 FP16 = fs.Precision(param_dtype=torch.float16, reduce_dtype=torch.float32,
@@ -50,10 +51,6 @@ def run(mesh, schedule):
     out["params"] = fs.gather(state.params, full=True).trainable
     out["start"] = start
     return out
-
-
-def distance(a: dict, b: dict) -> float:
-    return sum(float((a[k].double() - b[k].double()).square().sum()) for k in b) ** 0.5
 
 
 def test_fp16_loss_scaling_skips_and_scales_as_the_plain_step():

@@ -46,7 +46,7 @@ from .._stages import cut_stages, cut_traced, unit_of_nodes
 from ..pipeline import Pipeline, build_schedule, peak_in_flight
 from ..pipeline._actions import ActionKind
 from ._machine import Machine, h100_sxm
-from ._pipeline import _node_seconds, _plan, _stage_figures, _StageFigures, min_max_cut
+from ._pipeline import _node_seconds, _plan, _stage_figures, _StageFigures, min_max_cut, update_peak
 from ._ranking import rank_with_reasons
 
 __all__ = ["PipelineCandidate", "tune_pipeline", "unit_table"]
@@ -367,13 +367,12 @@ def _memory_cut(step: Any, state: Any, table: UnitTable, compute, m: int, update
     shards = step.mesh.num_shards
     state_bytes = step.state_bytes_per_element(state) / shards
     per_element = state_bytes + step.gather_bytes_per_element()
-    every, largest = update
     split = any(a.kind is ActionKind.I for row in compute.actions for a in row)  # micro-batches held from I to W
 
     def cost(s: int, i: int, j: int) -> float:
         f = table.stage(i, j)
         pipelined = f.elements * per_element + in_flight[s] * (max(f.saved, f.held) if split else f.saved) * scale
-        return max(pipelined, f.elements * (state_bytes + every / shards) + f.largest * largest / shards)
+        return max(pipelined, update_peak(f.elements * state_bytes, f.elements, f.largest, update, shards))
 
     return tuple(min_max_cut(len(table.units), compute.num_stages, cost))
 

@@ -208,9 +208,8 @@ def _plan(step: Any, state: Any, figures: list[_StageFigures], machine: Machine,
     copies = gathers_copies(fsdp, step.precision)  # else their summed gradients alone are walked
     # The optimizer's update, after the pipeline: the state and gradient shards, and what the update
     # makes beside them: per element of the rank's shards, and of its largest buffer (a unit's shard).
-    every, largest = update
-    updates = tuple(round(states[r] + (every * sum(s.param_elements for s in held[r])
-                                       + largest * max((figures[s.stage].largest for s in held[r]), default=0)) / fsdp)
+    updates = tuple(round(update_peak(states[r], sum(s.param_elements for s in held[r]),
+                                      max((figures[s.stage].largest for s in held[r]), default=0), update, fsdp))
                     for r in ranks)  # fmt: skip
     return PipelinePlan(
         compute.name, step.num_ranks, m, tuple(stages), analysis.makespan, tuple(analysis.bubble), tuple(peaks),
@@ -221,6 +220,14 @@ def _plan(step: Any, state: Any, figures: list[_StageFigures], machine: Machine,
               for state, gathered, w, update, lent in zip(states, gathered_bytes, walked, updates, lent_held)),
         updates,
     )  # fmt: skip
+
+
+def update_peak(state: float, elements: float, largest: float, update: tuple[float, float], shards: int) -> float:
+    """A rank's bytes during the optimizer's update: its `state` bytes and what the update makes
+    beside them (`update`: `step.update_bytes(state)`, bytes per element of the rank's parameters
+    and of its largest buffer, each sharded over `shards`)."""
+    every, big = update
+    return state + (every * elements + big * largest) / shards
 
 
 def gathers_copies(fsdp: int, precision) -> bool:
