@@ -135,11 +135,12 @@ def full_tensor(p) -> torch.Tensor:
 # --- torch's own tensor parallelism -------------------------------------------------------------
 
 
-def torch_llama(mesh) -> nn.Module:
-    """The Llama with torch's TP by Hugging Face's plan on the mesh's `tp` dimension (+ FSDP2 over `fsdp`)."""
+def torch_llama(mesh, model: nn.Module | None = None) -> nn.Module:
+    """The Llama (`model`, or this module's) with torch's TP by Hugging Face's plan on the mesh's
+    `tp` dimension (+ FSDP2 over `fsdp`)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    model = build_llama()
+    model = build_llama() if model is None else model
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     plan = {}
     for i in range(len(model.model.layers)):
@@ -256,24 +257,27 @@ def qkv_order(config: GPTConfig, size: int) -> torch.Tensor:
     return torch.cat([torch.arange(c * d + i * part, c * d + (i + 1) * part) for i in range(size) for c in range(3)])
 
 
-def torch_gpt(mesh) -> tuple[nn.Module, torch.Tensor]:
-    """The GPT with torch's TP by fs's plan: Megatron's blocks, the tied embedding and head split
-    along the vocabulary (`loss_parallel` for the cross-entropy); qkv rows reordered (returned)."""
+def torch_gpt(mesh, model: GPT | None = None) -> tuple[nn.Module, torch.Tensor]:
+    """The GPT (`model`, or this module's) with torch's TP by fs's plan: Megatron's blocks, the
+    embedding and head split along the vocabulary (`loss_parallel` for the cross-entropy; tied
+    again if they were); qkv rows reordered (returned)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    model = build_gpt()
-    order = qkv_order(GPT_CONFIG, mesh.shape["tp"])
+    model = build_gpt() if model is None else model
+    tied = model.head.weight is model.tok_emb.weight
+    order = qkv_order(model.config, mesh.shape["tp"])
     with torch.no_grad():
         for block in model.blocks:
             block.attn.qkv.weight.copy_(block.attn.qkv.weight[order])
             block.attn.qkv.bias.copy_(block.attn.qkv.bias[order])
     plan = {"tok_emb": RowwiseParallel(input_layouts=Replicate()), "head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
-    for i in range(GPT_CONFIG.n_layer):
+    for i in range(model.config.n_layer):
         plan.update({f"blocks.{i}.attn.qkv": ColwiseParallel(), f"blocks.{i}.attn.proj": RowwiseParallel(),
                      f"blocks.{i}.mlp.fc": ColwiseParallel(), f"blocks.{i}.mlp.proj": RowwiseParallel()})  # fmt: skip
     parallelize_module(model, mesh.device_mesh["tp"], plan)
-    model.head.weight = model.tok_emb.weight  # tied again: one DTensor, Shard(0), for both
+    if tied:
+        model.head.weight = model.tok_emb.weight  # tied again: one DTensor, Shard(0), for both
     return model, order
 
 
