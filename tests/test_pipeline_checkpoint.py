@@ -10,7 +10,8 @@ one pipeline coordinate). Here, with real gloo ranks:
 - the other way: saved at `{"fsdp": 4}`, loaded at `{"pp": 2, "fsdp": 2}` and `{"pp": 4}`;
 - a tied GPT (embedding and head one leaf, held by the first stage) the same;
 - `fs.export` of a pipelined state is the full state dict on every rank, the one a plain step
-  exports from the same checkpoint; export to a file is refused, naming the way out;
+  exports from the same checkpoint; streamed to a file, the plain step's file byte for byte
+  (1F1B; interleaved: the same tensors under the same names);
 - a checkpoint that lacks leaves of the state, or holds leaves no rank's state has, is refused
   on every rank, naming the leaf.
 
@@ -27,9 +28,9 @@ import threading
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 
 import functional_shard as fs
-from functional_shard._export import ExportError
 from functional_shard.checkpoint import CheckpointError
 from functional_shard.models import GPT, GPTConfig
 
@@ -42,8 +43,8 @@ MICROBATCHES = 2
 _BUILDING = threading.Lock()  # thread-ranks share torch's global RNG: one builds at a time
 
 
-def make_step(mesh, config=CONFIG, *, trace: bool = False):
-    """The GPT's step (AdamW; 1F1B over `MICROBATCHES` on a mesh with `pp`) and its parameters."""
+def make_step(mesh, config=CONFIG, *, trace: bool = False, schedule: str = "1f1b"):
+    """The GPT's step (AdamW; `schedule`, 1F1B, over `MICROBATCHES` on a mesh with `pp`) and its parameters."""
     torch.set_num_threads(1)
     with _BUILDING:
         torch.manual_seed(0)
@@ -53,7 +54,7 @@ def make_step(mesh, config=CONFIG, *, trace: bool = False):
         idx, targets = batch
         return F.cross_entropy(apply_fn(p, idx).flatten(0, 1), targets.flatten())
 
-    pipeline = {"microbatches": MICROBATCHES, "pipeline": fs.pipeline.Pipeline("1f1b")} if "pp" in mesh.shape else {}
+    pipeline = {"microbatches": MICROBATCHES, "pipeline": fs.pipeline.Pipeline(schedule)} if "pp" in mesh.shape else {}
     optimizer = fs.optim.adamw(1e-2, weight_decay=0.1)
     return fs.sharded_step(loss_fn, mesh, optimizer=optimizer, schedule=fs.Schedule(trace=trace), **pipeline), params
 
@@ -142,19 +143,27 @@ def load_at(mesh, path: str, axes=None, save_to: str | None = None, config=CONFI
     return held(state), state.step
 
 
-def export_at(mesh, path: str, axes=None, config=CONFIG, out: str | None = None):
-    """Load `path` at `axes` and export it as a dict (and to the file `out`: the error, if any)."""
+def export_at(mesh, path: str, axes=None, config=CONFIG, out: str | None = None, schedule: str = "1f1b"):
+    """Load `path` at `axes` (under `schedule` if pipelined) and export it as a dict (and, streamed,
+    to the file `out`)."""
     mesh = mesh_of(mesh, axes)
-    step, params = make_step(mesh, config)
+    step, params = make_step(mesh, config, schedule=schedule)
     state = fs.checkpoint.load(path, step.init(params))
     exported = fs.export(state)
-    refused = None
     if out is not None:
-        try:
-            fs.export(state, out)
-        except ExportError as error:
-            refused = str(error)
-    return exported, refused
+        fs.export(state, out)
+    return exported
+
+
+def export_error(mesh, path: str, out: str) -> str | None:
+    """Load `path` here and stream its export to `out`: the error this rank raises."""
+    step, params = make_step(mesh)
+    state = fs.checkpoint.load(path, step.init(params))
+    try:
+        fs.export(state, out)
+    except Exception as error:  # noqa: BLE001 (rank 0 raises its own, the others ExportError)
+        return f"{type(error).__name__}: {error}"
+    return None
 
 
 def load_error(mesh, path: str, axes=None, config=CONFIG):
@@ -258,18 +267,36 @@ def test_tied_gpt_checkpoint_across_pipeline_degrees(world, tmp_path):
 
 
 def test_export_of_a_pipelined_state_is_the_full_state_dict(world, saved, tmp_path):
+    """In memory: the plain step's state dict on every rank. Streamed (each pipeline coordinate's
+    buffers gathered in turn, sent to rank 0): the plain step's file byte for byte under 1F1B
+    (stages in the model's order); under interleaved 1F1B (rank 0 holds stages 0 and 2) the same
+    tensors under the same names, and a module loads it strictly."""
     path, expected, _, _ = saved
-    results = world.run(export_at, path, None, CONFIG, str(tmp_path / "model.safetensors"))
-    plain, _ = world.run(export_at, path, {"fsdp": 4})[0]
-    for rank, (exported, refused) in enumerate(results):
+    results = world.run(export_at, path, None, CONFIG, str(tmp_path / "pp.safetensors"))
+    plain = world.run(export_at, path, {"fsdp": 4}, CONFIG, str(tmp_path / "plain.safetensors"))[0]
+    for rank, exported in enumerate(results):
         assert set(exported) == set(plain), rank
         assert all(torch.equal(exported[k], plain[k]) for k in plain), rank
-        assert "rank groups" in refused and "fs.export(state)" in refused
-    assert not (tmp_path / "model.safetensors").exists()
+    assert (tmp_path / "pp.safetensors").read_bytes() == (tmp_path / "plain.safetensors").read_bytes()
+    world.run(export_at, path, {"pp": 2, "fsdp": 2}, CONFIG, str(tmp_path / "interleaved.safetensors"), "interleaved_1f1b")
+    interleaved = load_file(tmp_path / "interleaved.safetensors")
+    assert interleaved.keys() == plain.keys() and all(torch.equal(interleaved[k], plain[k]) for k in plain)
+    assert not [p.name for p in tmp_path.iterdir() if ".partial-" in p.name]
     model = GPT(CONFIG)
-    model.load_state_dict(results[3][0], strict=True)
+    model.load_state_dict(load_file(tmp_path / "pp.safetensors"), strict=True)
     assert torch.equal(model.tok_emb.weight, expected["params/tok_emb.weight"])
     assert torch.equal(model.head.weight, expected["params/head.weight"])
+
+
+def test_a_pipelined_export_rank_0_cannot_write_fails_on_every_rank(world, saved, tmp_path):
+    """Rank 0 cannot create the file (its directory is a file): it still receives every other
+    pipeline coordinate's buffers (no rank hangs), and every rank raises; nothing is left."""
+    path, _, _, _ = saved
+    (tmp_path / "a_file").write_text("")
+    errors = world.run(export_error, path, str(tmp_path / "a_file" / "model.safetensors"))
+    assert errors[0] is not None and "a_file" in errors[0], errors
+    assert all(e.startswith("ExportError: rank 0 could not write") for e in errors[1:]), errors
+    assert [p.name for p in tmp_path.iterdir()] == ["a_file"]
 
 
 def test_checkpoint_that_does_not_fit_a_pipelined_state_is_refused(world, saved, tmp_path):
@@ -307,7 +334,9 @@ def test_tied_resume_and_world_size_1(world, tmp_path):
 def test_export_of_a_tied_pipelined_state_names_the_tied_head(world, tmp_path):
     path = str(tmp_path / "ckpt")
     world.run(save_at, path, {"fsdp": 4}, TIED, 0)
-    plain, _ = world.run(export_at, path, {"fsdp": 4}, TIED)[0]
-    for exported, _ in world.run(export_at, path, None, TIED):
+    plain = world.run(export_at, path, {"fsdp": 4}, TIED, str(tmp_path / "plain.safetensors"))[0]
+    for exported in world.run(export_at, path, None, TIED, str(tmp_path / "pp.safetensors")):
         assert set(exported) == set(plain)
         assert all(torch.equal(exported[k], plain[k]) for k in plain)
+    assert (tmp_path / "pp.safetensors").read_bytes() == (tmp_path / "plain.safetensors").read_bytes()
+    assert "head.weight" in load_file(tmp_path / "pp.safetensors")

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 import functional_shard as fs
-from functional_shard import _export
+from functional_shard import _export_file
 from functional_shard.checkpoint import CheckpointError
 from functional_shard.checkpoint import _files as checkpoint_files
 from functional_shard.models import MLP
@@ -172,7 +172,7 @@ def test_export_never_follows_a_planted_link(tmp_path, monkeypatch):
 
     predicted = tmp_path / "model.safetensors.partial-0123456789abcdef"  # as if the name leaked
     os.symlink(victim, predicted)
-    monkeypatch.setattr(_export, "temporary_name", lambda p: predicted)
+    monkeypatch.setattr(_export_file, "temporary_name", lambda p: predicted)
     before = tree_of(tmp_path)
     with pytest.raises(fs.RankError, match="planted there"):
         fs.testing.SimulatedWorld(1).run(export_once, str(path))

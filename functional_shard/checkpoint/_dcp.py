@@ -23,7 +23,7 @@ from typing import Any, Callable
 import optree
 import torch
 
-from .._export import state_dict_names
+from .._export_file import state_dict_names
 from .._layout import BufferSpec, Layout
 from .._mesh import BaseMesh
 from .._pytree import NAMESPACE

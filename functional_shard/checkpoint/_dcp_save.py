@@ -28,7 +28,7 @@ from typing import Any, Mapping, NamedTuple, Sequence
 
 import torch
 
-from .._export import create_new_file, fsync_dir, state_dict_names
+from .._export_file import create_new_file, fsync_dir, state_dict_names
 from .._layout import Layout
 from .._shard import _check_shards
 from .._step import StepState, check_not_donated

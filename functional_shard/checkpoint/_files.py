@@ -32,8 +32,8 @@ from typing import Any
 import safetensors
 import torch
 
-from .._export import SAFETENSORS_DTYPES, create_new_file
-from .._export import fsync_dir as fsync_dir
+from .._export_file import SAFETENSORS_DTYPES, create_new_file
+from .._export_file import fsync_dir as fsync_dir
 from ._format import COMMIT, FORMAT, INDEX, READ_VERSIONS, VERSION, CheckpointError, Entry, entry_from_json, from_split_order
 
 _RANK_FILE = re.compile(r"rank-\d{5,}\.safetensors")

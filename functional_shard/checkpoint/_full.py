@@ -20,7 +20,7 @@ from typing import Callable
 import safetensors
 import torch
 
-from .._export import SAFETENSORS_DTYPES, state_dict_names
+from .._export_file import SAFETENSORS_DTYPES, state_dict_names
 from .._layout import Layout
 from .._shard import Sharded, _check_shards
 from .._step import StepState
