@@ -155,6 +155,15 @@ def export_at(mesh, path: str, axes=None, config=CONFIG, out: str | None = None,
     return exported
 
 
+def dcp_at(mesh, path: str, out: str, axes=None, config=CONFIG, schedule: str = "1f1b") -> None:
+    """Load `path` at `axes` (under `schedule` if pipelined) and save it as a DCP checkpoint at `out`."""
+    mesh = mesh_of(mesh, axes)
+    step, params = make_step(mesh, config, schedule=schedule)
+    state = fs.checkpoint.load(path, step.init(params))
+    group = {k: v for k, v in torch.optim.AdamW([torch.zeros(1)], lr=1e-2, weight_decay=0.1).param_groups[0].items() if k != "params"}
+    fs.checkpoint.save_dcp(out, state, param_groups=[group])
+
+
 def export_error(mesh, path: str, out: str) -> str | None:
     """Load `path` here and stream its export to `out`: the error this rank raises."""
     step, params = make_step(mesh)
@@ -286,6 +295,35 @@ def test_export_of_a_pipelined_state_is_the_full_state_dict(world, saved, tmp_pa
     model.load_state_dict(load_file(tmp_path / "pp.safetensors"), strict=True)
     assert torch.equal(model.tok_emb.weight, expected["params/tok_emb.weight"])
     assert torch.equal(model.head.weight, expected["params/head.weight"])
+
+
+@pytest.mark.parametrize("config", [CONFIG, TIED], ids=["untied", "tied"])
+def test_a_pipelined_state_saves_as_dcp_as_a_plain_one(world, tmp_path, config):
+    """`save_dcp` of a pipelined state (each pipeline coordinate's ranks write their stages'
+    boxes; rank 0 the index of all): the same tensors, values and keys as the plain step's
+    `save_dcp` of the same checkpoint (fs's reader and torch's own, `dcp_to_torch_save`), under
+    1F1B and interleaved 1F1B (rank 0 holds stages 0 and 2)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    path = str(tmp_path / "ckpt")
+    world.run(save_at, path, None, config)
+    world.run(dcp_at, path, str(tmp_path / "plain"), {"fsdp": 4}, config)
+    expected = fs.checkpoint.read_dcp(tmp_path / "plain")
+    assert "model.head.weight" in expected and "optim.state.tok_emb.weight.exp_avg_sq" in expected
+    for schedule in ("1f1b", "interleaved_1f1b"):
+        world.run(dcp_at, path, str(tmp_path / schedule), None, config, schedule)
+        got = fs.checkpoint.read_dcp(tmp_path / schedule)
+        assert got.keys() == expected.keys(), sorted(set(got) ^ set(expected))[:6]
+        for key, value in expected.items():
+            if key.endswith(".params"):  # a parameter group's names: in stage order (the same set)
+                got[key], value = sorted(got[key]), sorted(value)
+            assert torch.equal(got[key], value) if isinstance(value, torch.Tensor) else got[key] == value, (schedule, key)
+        dcp_to_torch_save(tmp_path / schedule, tmp_path / f"{schedule}.pt")  # torch's reader
+        loaded = torch.load(tmp_path / f"{schedule}.pt", weights_only=True)
+        flat = {f"model.{k}": v for k, v in loaded["model"].items()}
+        flat.update({f"optim.state.{n}.{m}": v for n, moments in loaded["optim"]["state"].items() for m, v in moments.items()})
+        tensors = {k: v for k, v in expected.items() if isinstance(v, torch.Tensor)}
+        assert flat.keys() == tensors.keys() and all(torch.equal(flat[k], tensors[k]) for k in tensors), schedule
 
 
 def test_a_pipelined_export_rank_0_cannot_write_fails_on_every_rank(world, saved, tmp_path):

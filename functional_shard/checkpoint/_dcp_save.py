@@ -14,11 +14,15 @@ rows: each range is stored as the few row blocks that tile it (`flat_range_slice
 records as chunks (n-D boxes) and any DCP reader reshards from. Each writing rank (one per shard
 index) writes `__<rank>_0.distcp`; rank 0 writes `.metadata` (the pickle of torch's own metadata
 classes, that `dcp.load` reads) once every rank's file is on disk, all in
-`<path>.partial-<token>/`, renamed to `path` at the end.
+`<path>.partial-<token>/`, renamed to `path` at the end. Every rank tells rank 0 its items
+(what each stores, its box, its length) for the index. Where the ranks hold different leaves (a
+pipelined step's coordinates hold their stages), the first rank of each layout describes its
+tensors to every rank and each tensor is stored by the first layout in rank order that holds it.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import secrets
@@ -30,6 +34,7 @@ import torch
 
 from .._export_file import create_new_file, fsync_dir, state_dict_names
 from .._layout import Layout
+from .._placed import gather_texts, layout_groups
 from .._shard import _check_shards
 from .._step import StepState, check_not_donated
 from ._dcp import ADAMW_STATE, _adamw_of
@@ -87,16 +92,28 @@ def save_dcp(
     layout, mesh = state.params.layout, state.params.mesh
     mesh.agree(OPERATION)
     path = Path(os.path.abspath(path))
-    contents = f"{path}|{layout.signature()}|{model_key}|{optim_key}|{param_groups!r}"
-    mesh.check_same("the DCP checkpoint's path and contents", contents)
+    groups = layout_groups(layout, mesh)  # a pipelined state: one per pipeline coordinate
+    layouts = "" if len(set(groups)) > 1 else f"|{layout.signature()}"  # (several: compared tensor by tensor below)
+    mesh.check_same("the DCP checkpoint's path and contents", f"{path}{layouts}|{model_key}|{optim_key}|{param_groups!r}")
     adam = None
     if optim_key is not None:
         leaves, _, k = _adamw_of(state.opt_state)
         adam = leaves[k]
-    groups = _param_groups(param_groups, layout, optim_key) if optim_key is not None else []
-    plan = {rank: _boxes(layout, adam, writer, mesh.model_axes) for rank, writer in writers_of(layout, mesh).items()}
-    plan[0] = plan.get(0, []) + _whole_items(layout, adam, state_dict_names(layout))
-    mine = plan.get(mesh.rank, [])
+    leader = groups[mesh.rank]
+    tensors, owner = _catalog(layout, adam, model_key, optim_key), None
+    if len(set(groups)) > 1:
+        tensors, owner = _union(tensors, groups, mesh)
+    trainable = [t.ident[1] for t in tensors if t.ident[0] == ADAMW_STATE[0]]  # (one exp_avg per trainable leaf)
+    objects = _param_groups(param_groups, trainable, optim_key) if optim_key is not None else []
+    writer = writers_of(layout, mesh, groups if owner is not None else None, always=leader).get(mesh.rank)
+    names = state_dict_names(layout)
+    mine = _boxes(layout, adam, writer, mesh.model_axes) if writer is not None else []
+    if mesh.rank == leader:
+        mine += _whole_items(layout, adam, names)
+    if owner is not None:  # what an earlier layout stores is left to it
+        mine = [item for item in mine if owner[_ident(item, layout, names)] == leader]
+    if mesh.rank != 0:
+        objects = []
 
     # Rank 0 makes the directory; every writing rank writes its file there.
     code, error = 0, None
@@ -119,22 +136,19 @@ def save_dcp(
     tmp = _partial(path, code)
     lengths: list[int] = []
     try:
-        if mine or (mesh.rank == 0 and groups):
-            values = [_value(state, adam, item) for item in mine] + [value for _, _, value in groups]
+        if mine or objects:
+            values = [_value(state, adam, item) for item in mine] + [value for _, _, value in objects]
             lengths = _write_file(tmp / data_file(mesh.rank), values)
     except Exception as e:  # noqa: BLE001
         error = e
-    most = max(len(items) for items in plan.values()) + len(groups)
-    mine_out = torch.full((1 + most,), -1, dtype=torch.int64)
-    mine_out[0] = 0 if error is None else 1
-    mine_out[1 : 1 + len(lengths)] = torch.tensor(lengths, dtype=torch.int64)
-    everyone = mesh.all_gather_world(mine_out).view(mesh.world_size, -1)
-    failed = [r for r in range(mesh.world_size) if everyone[r, 0]]
+    told = {"failed": error is not None, "items": [[*_ident(item, layout, names), item.offsets, item.sizes] for item in mine],
+            "lengths": lengths}  # fmt: skip
+    everyone = [json.loads(text) for text in gather_texts(mesh, json.dumps(told))]
+    failed = [r for r in range(mesh.world_size) if everyone[r]["failed"]]
     committed = 0
     if not failed and mesh.rank == 0:
         try:
-            sizes = {rank: everyone[rank, 1:].tolist() for rank in plan}
-            write_durably(tmp / METADATA, _metadata(layout, adam, plan, sizes, groups, model_key, optim_key))
+            write_durably(tmp / METADATA, _metadata(tensors, everyone, objects))
             fsync_dir(tmp)
             _commit(tmp, path, overwrite, code)
             committed = 1
@@ -265,15 +279,14 @@ def _write_file(file: Path, values: list[Any]) -> list[int]:
 
 
 def _param_groups(
-    groups: Sequence[Mapping[str, Any]] | None, layout: Layout, optim_key: str
+    groups: Sequence[Mapping[str, Any]] | None, trainable: list[str], optim_key: str
 ) -> list[tuple[str, tuple, Any]]:
-    """(flattened key, path, value) for every field of every group; checked."""
+    """(flattened key, path, value) for every field of every group (`trainable`: the names of
+    every trainable leaf); checked."""
     if groups is None:
         return []
     if isinstance(groups, Mapping) or not all(isinstance(g, Mapping) for g in groups) or not groups:
         raise TypeError("param_groups must be a list of dicts (torch.optim's param_groups), e.g. [{'lr': 1e-3, ...}]")
-    names = state_dict_names(layout)
-    trainable = [names[i][0] for spec in layout.buffers if spec.trainable for i in spec.leaves if names[i]]
     out = []
     for g, group in enumerate(groups):
         group = dict(group)
@@ -304,40 +317,86 @@ def _plain(value: Any) -> bool:
     return isinstance(value, (tuple, list)) and all(_plain(v) for v in value)
 
 
-def _metadata(layout, adam, plan, sizes, groups, model_key, optim_key) -> bytes:
-    """The `.metadata` for the items of every rank, given each rank's item lengths."""
-    where: dict[tuple[int, str], list] = {}
-    objects = []
-    for rank, items in plan.items():
-        offset = 0
-        for item, length in zip(items, sizes[rank]):
-            chunk = (item.offsets, item.sizes, data_file(rank), offset, length)
-            where.setdefault((item.leaf, item.source), []).append(chunk)
-            offset += length
-        if rank == 0:
-            for (key, path, _), length in zip(groups, sizes[0][len(items) :]):
-                objects.append((key, path, data_file(0), offset, length))
-                offset += length
+def _ident(item: _Item, layout: Layout, names: list[tuple[str, ...]]) -> tuple[str, str]:
+    """What an item stores: (source, the leaf's first state-dict name), ("count", "") for the count."""
+    if item.source == "count":
+        return ("count", "")
+    return (item.source, names[item.leaf][0] if names[item.leaf] else layout.paths[item.leaf])
+
+
+class Stored(NamedTuple):
+    """A tensor of the checkpoint's index, and what stores its values (`_ident`)."""
+
+    key: str  # flattened key
+    path: tuple[str, ...]  # in the nested state dict
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    ident: tuple[str, str]  # tied names share one; every parameter's `step` is the count
+
+
+def _catalog(layout: Layout, adam: Any, model_key: str | None, optim_key: str | None) -> list[Stored]:
+    """Every tensor this layout puts in the index: each state-dict name of each leaf, then each
+    trainable leaf's moments and `step`."""
     names = state_dict_names(layout)
-    tensors = []
+    out = []
     for i in range(len(layout.paths)):
-        shape = layout.full_shape(i)
         for name in names[i]:
             key, path = (name, (name,)) if model_key is None else (f"{model_key}.{name}", (model_key, name))
-            tensors.append(PlannedTensor(key, path, tuple(shape), layout.dtypes[i], where[i, "params"]))
+            out.append(Stored(key, path, tuple(layout.full_shape(i)), layout.dtypes[i], ("params", names[i][0])))
     if adam is not None:
         for spec in layout.buffers:
             if spec.trainable:
                 for i in spec.leaves:
                     fqn = names[i][0] if names[i] else layout.paths[i]
                     for source in _moments(adam):
-                        tensors.append(PlannedTensor(
-                            f"{optim_key}.state.{fqn}.{source}", (optim_key, "state", fqn, source),
-                            tuple(layout.full_shape(i)), getattr(adam, source)[spec.name].dtype, where[i, source],
-                        ))  # fmt: skip
-                    key, path = f"{optim_key}.state.{fqn}.step", (optim_key, "state", fqn, "step")
-                    tensors.append(PlannedTensor(key, path, (), adam.count.dtype, where[-1, "count"]))
-    return metadata_bytes(tensors, objects)
+                        dtype = getattr(adam, source)[spec.name].dtype
+                        out.append(Stored(f"{optim_key}.state.{fqn}.{source}", (optim_key, "state", fqn, source),
+                                          tuple(layout.full_shape(i)), dtype, (source, fqn)))  # fmt: skip
+                    out.append(Stored(f"{optim_key}.state.{fqn}.step", (optim_key, "state", fqn, "step"), (),
+                                      adam.count.dtype, ("count", "")))  # fmt: skip
+    return out
+
+
+def _union(mine: list[Stored], groups: tuple[int, ...], mesh: Any) -> tuple[list[Stored], dict[tuple[str, str], int]]:
+    """Every layout's tensors (the first rank of each describes its own; a pipelined state's
+    coordinates hold different stages), each stored by the first layout in rank order that holds
+    it, with that layout's owner: the index's tensors and `owner`. A collective. Two layouts
+    holding one tensor with different shapes or dtypes is a `CheckpointError` on every rank."""
+    text = json.dumps([[t.key, list(t.path), list(t.shape), str(t.dtype).removeprefix("torch."), list(t.ident)] for t in mine])
+    said = gather_texts(mesh, text if mesh.rank == groups[mesh.rank] else "")
+    tensors: dict[str, Stored] = {}
+    owner: dict[tuple[str, str], int] = {}
+    for g in sorted(set(groups)):
+        for key, path, shape, dtype, ident in json.loads(said[g]):
+            t = Stored(key, tuple(path), tuple(shape), getattr(torch, dtype), tuple(ident))
+            held = tensors.setdefault(key, t)
+            if (held.shape, held.dtype) != (t.shape, t.dtype):
+                raise CheckpointError(
+                    f"{key}: rank {owner[held.ident]} holds it as {held.dtype} {list(held.shape)} but rank {g} as "
+                    f"{t.dtype} {list(t.shape)}: the ranks hold different models; nothing was written"
+                )
+            owner.setdefault(t.ident, g)
+    owner.setdefault(("count", ""), groups[0])  # the count is rank 0's
+    return list(tensors.values()), owner
+
+
+def _metadata(tensors: list[Stored], everyone: list[dict], objects: list[tuple[str, tuple, Any]]) -> bytes:
+    """The `.metadata` for the items every rank wrote (`everyone[rank]`: each item's ident, box
+    and length, in its file's order) and rank 0's objects, written after its items."""
+    where: dict[tuple[str, str], list] = {}
+    for rank, told in enumerate(everyone):
+        offset = 0
+        for (source, fqn, offsets, sizes), length in zip(told["items"], told["lengths"]):
+            where.setdefault((source, fqn), []).append((tuple(offsets), tuple(sizes), data_file(rank), offset, length))
+            offset += length
+        if rank == 0:
+            lengths = told["lengths"][len(told["items"]) :]
+            placed = []
+            for (key, path, _), length in zip(objects, lengths):
+                placed.append((key, path, data_file(0), offset, length))
+                offset += length
+    planned = [PlannedTensor(t.key, t.path, t.shape, t.dtype, where[t.ident]) for t in tensors]
+    return metadata_bytes(planned, placed)
 
 
 def _partial(path: Path, code: int) -> Path:
