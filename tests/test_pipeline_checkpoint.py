@@ -13,7 +13,9 @@ one pipeline coordinate). Here, with real gloo ranks:
   exports from the same checkpoint; streamed to a file, the plain step's file byte for byte
   (1F1B; interleaved: the same tensors under the same names);
 - a checkpoint that lacks leaves of the state, or holds leaves no rank's state has, is refused
-  on every rank, naming the leaf.
+  on every rank, naming the leaf;
+- `save_dcp` of a pipelined state is the plain step's DCP checkpoint (the same keys and tensors;
+  torch reads it), and `load_dcp` loads a DCP checkpoint into a pipelined state exactly.
 
 One world of 4 processes serves the module: its ranks make the other meshes of the same
 processes with `fs.init_mesh(axes)`.
@@ -162,6 +164,15 @@ def dcp_at(mesh, path: str, out: str, axes=None, config=CONFIG, schedule: str = 
     state = fs.checkpoint.load(path, step.init(params))
     group = {k: v for k, v in torch.optim.AdamW([torch.zeros(1)], lr=1e-2, weight_decay=0.1).param_groups[0].items() if k != "params"}
     fs.checkpoint.save_dcp(out, state, param_groups=[group])
+
+
+def from_dcp(mesh, path: str, config=CONFIG, schedule: str = "1f1b"):
+    """`load_dcp` of `path` into this mesh's (pipelined) template: what the ranks hold, or the error."""
+    step, params = make_step(mesh, config, schedule=schedule)
+    try:
+        return held(fs.checkpoint.load_dcp(path, step.init(params)))
+    except CheckpointError as error:
+        return str(error)
 
 
 def export_error(mesh, path: str, out: str) -> str | None:
@@ -324,6 +335,19 @@ def test_a_pipelined_state_saves_as_dcp_as_a_plain_one(world, tmp_path, config):
         flat.update({f"optim.state.{n}.{m}": v for n, moments in loaded["optim"]["state"].items() for m, v in moments.items()})
         tensors = {k: v for k, v in expected.items() if isinstance(v, torch.Tensor)}
         assert flat.keys() == tensors.keys() and all(torch.equal(flat[k], tensors[k]) for k in tensors), schedule
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b"])
+def test_a_dcp_checkpoint_loads_into_a_pipelined_state(world, saved, tmp_path, schedule):
+    """`load_dcp` into a pipelined template (each rank reads its stages' leaves; a tensor is extra
+    only if no rank's stages take it): what the ranks held when the fs checkpoint was saved, bit
+    for bit. A 2-layer pipelined template is refused the 4-layer checkpoint's blocks on every rank."""
+    path, expected, _, _ = saved
+    world.run(dcp_at, path, str(tmp_path / "dcp"), {"fsdp": 4})
+    assert_same(expected, union(world.run(from_dcp, str(tmp_path / "dcp"), CONFIG, schedule)), f"load_dcp, {schedule}")
+    if schedule == "1f1b":  # (2 blocks make no 4 interleaved stages)
+        errors = world.run(from_dcp, str(tmp_path / "dcp"), dataclasses.replace(CONFIG, n_layer=2), schedule)
+        assert all(isinstance(e, str) and "'blocks.2.ln1.weight'" in e for e in errors), errors
 
 
 def test_a_pipelined_export_rank_0_cannot_write_fails_on_every_rank(world, saved, tmp_path):

@@ -17,6 +17,7 @@ see `_dcp_files` for the trust boundary.
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any, Callable
 
@@ -26,6 +27,7 @@ import torch
 from .._export_file import state_dict_names
 from .._layout import BufferSpec, Layout
 from .._mesh import BaseMesh
+from .._placed import gather_texts, layout_groups
 from .._pytree import NAMESPACE
 from .._shard import _check_shards
 from .._step import StepState
@@ -104,10 +106,12 @@ def load_dcp(
     _check_shards(template.params)
     mesh = template.params.mesh
     mesh.agree(OPERATION)
+    rename = rename or (lambda name: name)
+    groups = layout_groups(template.params.layout, mesh)
+    elsewhere = _held_elsewhere(template.params.layout, groups, mesh, rename) if len(set(groups)) > 1 else None
     result, error = None, None
     try:
-        rename = rename or (lambda name: name)
-        result = _load_here(os.path.abspath(path), template, model_key, optim_key, rename, strict)
+        result = _load_here(os.path.abspath(path), template, model_key, optim_key, rename, strict, elsewhere)
     except Exception as e:  # noqa: BLE001 (the other ranks must learn of it)
         error = e
     mesh.succeed_together(
@@ -115,7 +119,24 @@ def load_dcp(
         error,
         lambda failed: CheckpointError(f"ranks {failed} could not load {path} (see their errors); no rank loaded it"),
     )
+    if elsewhere is not None:  # each pipeline coordinate read its own parameters' `step`s: one count for all
+        mesh.check_same(f"the step count read from {path} (every parameter's `step`)", str(result.step))
     return result
+
+
+def _held_elsewhere(layout: Layout, groups: tuple[int, ...], mesh: BaseMesh, rename) -> tuple[set[str], set[str]]:
+    """Where the ranks hold different leaves (a pipelined state's coordinates hold their
+    stages): the checkpoint names that any rank's state takes (every state-dict name, renamed)
+    and the trainable ones (first names), as the first rank of each layout says. A collective."""
+    names = state_dict_names(layout)
+    trainable = {i for spec in layout.buffers if spec.trainable for i in spec.leaves}
+    told = {
+        "model": [rename(n) for i in range(len(names)) for n in names[i]],
+        "trainable": [rename(names[i][0] if names[i] else layout.paths[i]) for i in sorted(trainable)],
+    }
+    said = gather_texts(mesh, json.dumps(told) if mesh.rank == groups[mesh.rank] else "")
+    every = [json.loads(said[g]) for g in sorted(set(groups))]
+    return {n for t in every for n in t["model"]}, {n for t in every for n in t["trainable"]}
 
 
 def read_dcp(path: str | os.PathLike) -> dict[str, Any]:
@@ -194,12 +215,14 @@ def _describe(dtype: torch.dtype, shape: tuple) -> str:
 
 
 def _match_model(
-    layout: Layout, local: list[torch.Tensor], found: dict[str, DcpTensor], rename, strict: bool, where: str
+    layout: Layout, local: list[torch.Tensor], found: dict[str, DcpTensor], rename, strict: bool, where: str,
+    elsewhere: set[str] = frozenset(),
 ) -> dict[int, DcpTensor]:
     """Leaf index -> its tensor in the checkpoint (non-persistent buffers left out); raises
-    naming every missing, mismatched and (with `strict`) extra tensor."""
+    naming every missing, mismatched and (with `strict`) extra tensor: one no leaf of this
+    state takes, nor one of another rank's (`elsewhere`: a pipelined state's other stages)."""
     matched: dict[int, DcpTensor] = {}
-    missing, mismatched, used = [], [], set()
+    missing, mismatched, used = [], [], set(elsewhere)
     local_of = dict(zip(layout.local, local))
     for i, names in enumerate(state_dict_names(layout)):
         candidates = [rename(n) for n in names]
@@ -231,7 +254,7 @@ def _match_model(
             parts.append(f"in the checkpoint but not in this state: {_listing(extra)} (strict=False ignores them)")
         raise CheckpointError(
             f"{where} does not fit this state's model: " + "; ".join(parts) + ". Was it saved from another model "
-            f"(or another version of it)? rename= maps this state's names to the checkpoint's (no casts are made)"
+            "(or another version of it)? rename= maps this state's names to the checkpoint's (no casts are made)"
         )
     return matched
 
@@ -262,10 +285,12 @@ def _adamw_of(opt_state: Any) -> tuple[list[Any], Any, int]:
 
 
 def _match_optimizer(
-    layout: Layout, adam: AdamWState, found: dict[str, dict[str, DcpTensor]], rename, where: str
+    layout: Layout, adam: AdamWState, found: dict[str, dict[str, DcpTensor]], rename, where: str,
+    elsewhere: set[str] = frozenset(),
 ) -> tuple[dict[tuple[str, int], DcpTensor], list[DcpTensor]]:
     """(state name, leaf) -> tensor for every trainable leaf, and the `step` tensors; raises
-    naming state of another optimizer, and every missing, mismatched or extra tensor."""
+    naming state of another optimizer, and every missing, mismatched or extra tensor (extra:
+    of a parameter neither this state nor another rank's, `elsewhere`, trains)."""
     names = [*ADAMW_STATE, *(["max_exp_avg_sq"] if adam.max_exp_avg_sq is not None else [])]
     expected = {*names, "step"}
     other = sorted({name for state in found.values() for name in state} - expected)
@@ -313,7 +338,7 @@ def _match_optimizer(
                 steps.append(tensor)
             else:
                 matched[name, i] = tensor
-    extra = [f"{fqn!r}" for fqn in found if fqn not in used]
+    extra = [f"{fqn!r}" for fqn in found if fqn not in used and fqn not in elsewhere]
     if stateless and len(stateless) < len(trainable):
         why = "no state at all: it never had a gradient in the FSDP2 job? fs keeps one step count for every leaf"
         missing = [f"{n!r} ({why})" for n in stateless] + missing
@@ -392,7 +417,7 @@ def _device(t: torch.Tensor) -> torch.device:
     return torch.device("cpu") if t.is_meta else t.device
 
 
-def _load_here(path: str, template: StepState, model_key, optim_key, rename, strict: bool) -> StepState:
+def _load_here(path: str, template: StepState, model_key, optim_key, rename, strict: bool, elsewhere=None) -> StepState:
     sharded = template.params
     layout, mesh = sharded.layout, sharded.mesh
     where = f"DCP checkpoint {path}"
@@ -405,7 +430,8 @@ def _load_here(path: str, template: StepState, model_key, optim_key, rename, str
         else:
             suggestion = "pass model_key= the key it was saved under"
         raise CheckpointError(f"{where} holds no model tensors under {model_key!r} (it holds {top}): {suggestion}")
-    matched = _match_model(layout, sharded.local, found, rename, strict, where)
+    model_elsewhere, trained_elsewhere = elsewhere or (frozenset(), frozenset())
+    matched = _match_model(layout, sharded.local, found, rename, strict, where, model_elsewhere)
     opt_state, step = template.opt_state, template.step
     adam_parts = None
     if optim_key is not None:
@@ -418,7 +444,7 @@ def _load_here(path: str, template: StepState, model_key, optim_key, rename, str
                 f"{where} holds no optimizer state under {optim_key!r} (it holds {_top_level(index)}): pass "
                 f"optim_key= the key it was saved under, or optim_key=None to load the model only"
             )
-        adam_parts = (leaves, treedef, k, adam, *_match_optimizer(layout, adam, state, rename, where))
+        adam_parts = (leaves, treedef, k, adam, *_match_optimizer(layout, adam, state, rename, where, trained_elsewhere))
     with DcpReader(index) as reader:
         pieces = _Pieces(reader, layout, mesh)
         shards = [
