@@ -69,9 +69,10 @@ def stream(sharded: Sharded, path: str | os.PathLike, aliases: bool, groups: tup
             if group == mine:  # every rank of the group takes part in the gather
                 leaves = _gathered(sharded, k)
                 if mesh.rank == group != 0:  # its first rank sends the buffer whole to rank 0
-                    dist.send(_packed(leaves), 0, group=transfers)
+                    dist.send(_packed(leaves, getattr(mesh, "device", None)), 0, group=transfers)
             elif mesh.rank == 0:
-                message = torch.empty(sum(n for n, _, _ in sizes[turn]), dtype=torch.uint8)
+                # (on the mesh's device: NCCL moves CUDA tensors only; the writer copies to the host)
+                message = torch.empty(sum(n for n, _, _ in sizes[turn]), dtype=torch.uint8, device=getattr(mesh, "device", None))
                 dist.recv(message, group, group=transfers)
                 leaves = _unpacked(message, sizes[turn])
             if writer is not None:
@@ -107,10 +108,11 @@ def _gathered(sharded: Sharded, k: int) -> list[torch.Tensor]:
     return leaves
 
 
-def _packed(leaves: list[torch.Tensor]) -> torch.Tensor:
-    """The leaves' bytes, one after another, as one uint8 tensor."""
+def _packed(leaves: list[torch.Tensor], device) -> torch.Tensor:
+    """The leaves' bytes, one after another, as one uint8 tensor on `device` (the mesh's: an
+    offloaded state's leaves come back to the host)."""
     parts = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in leaves]
-    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+    return (torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)).to(device)
 
 
 def _unpacked(message: torch.Tensor, sizes: list[tuple[int, torch.dtype, tuple[int, ...]]]) -> list[torch.Tensor]:
