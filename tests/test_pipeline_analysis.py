@@ -263,6 +263,34 @@ def test_a_cut_sends_one_activation_where_the_next_block_starts_with_a_parameter
                    and any(u.op == "output" for u in n.users)), cut.describe()  # fmt: skip
 
 
+def test_the_default_cut_of_a_hugging_face_model_is_its_pp_plan():
+    """Hugging Face names where a model may be cut for pipelining: `config.base_model_pp_plan`
+    (Llama: `embed_tokens`, the `layers` list, `norm`, each with the tensors it takes and gives)
+    and the head's `_pp_plan` (`lm_head`). fs's default cut is that cut, from the module
+    structure alone: the first planned module on stage 0, the list's layers whole and split
+    evenly in order (the first stages one more), the later modules and the head on the last
+    stage; and each boundary carries the plan's `hidden_states` only — the attention mask and the
+    rotary tables, which the plan passes along, are recomputed from the batch by every stage."""
+    loss_fn, params = _llama(layers=5)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    plan = list(LlamaConfig().base_model_pp_plan) + [f"../{k}" for k in LlamaForCausalLM._pp_plan]
+    assert plan == ["embed_tokens", "layers", "norm", "../lm_head"]
+    names = fs.tree_paths(params)
+    for pp, per_stage in ((2, (3, 2)), (4, (2, 1, 1, 1))):
+        step = fs.sharded_step(loss_fn, fs.analysis.AbstractMesh({"pp": pp}), optimizer=fs.optim.adamw(lr=1e-3),
+                               microbatches=pp, pipeline="1f1b")  # fmt: skip
+        cut = step.stage_cut(step.init_abstract(params), _batch(8, 16))
+        stage_of = {names[i]: p.index for p in cut.stages for i in p.params}
+        layers = [{stage_of[n] for n in stage_of if n.startswith(f"model.layers.{k}.")} for k in range(5)]
+        assert all(len(s) == 1 for s in layers), layers  # each layer whole on one stage
+        assert [sum(s == {i} for s in layers) for i in range(pp)] == list(per_stage), layers
+        assert {stage_of[n] for n in stage_of if n.startswith("model.embed_tokens.")} == {0}
+        assert {stage_of[n] for n in stage_of if n.startswith(("model.norm.", "lm_head."))} == {pp - 1}
+        for program in cut.stages[:-1]:  # the plan's hidden_states: [rows of a micro-batch, sequence, hidden]
+            assert [b.shape for b in program.sent] == [(8 // pp, 16, 64)], cut.describe()
+
+
 def test_an_update_that_cannot_run_on_meta_tensors_is_named():
     """`plan_pipeline` sizes the optimizer's update by running it on meta tensors; an update that
     reads a value (a data-dependent step) cannot run there and is refused with the reason."""
