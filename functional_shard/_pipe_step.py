@@ -191,7 +191,7 @@ class PipelineStep(StageFigures):
         with torch.no_grad():
             if initialize is not None:  # this rank's stages' leaves, made one at a time
                 sub_full = make_layout(sub, self.mesh.num_shards, units=unit_of, precision=self.precision, blocks=self._blocks)
-                sharded = shard_from(initialize, layout, sub_full[1], self.mesh, full_layout=sub_full[0])
+                sharded = shard_from(initialize.for_part(full_layout), layout, sub_full[1], self.mesh, full_layout=sub_full[0])
             else:
                 sharded = shard_leaves(layout, [p.detach() for p in pieces], self.mesh)
             trainable = {spec.name: s for spec, s in zip(layout.buffers, sharded.shards) if spec.trainable}

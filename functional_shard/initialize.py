@@ -71,6 +71,12 @@ class Initializer:
     def open(self, layout: Layout, leaves: list[torch.Tensor]) -> "LeafSource":
         raise NotImplementedError
 
+    def for_part(self, whole: Layout) -> "Initializer":
+        """The initializer of a part of the tree `whole` lays out (a pipelined step's rank holds
+        its stages' leaves): what it checks about the tree as a whole (a file's tensors that no
+        leaf takes) is checked against `whole`. Default: itself."""
+        return self
+
 
 class LeafSource:
     """Leaves of one parameter tree, on request. Checks what it can when made (raising

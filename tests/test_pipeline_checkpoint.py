@@ -175,6 +175,23 @@ def from_dcp(mesh, path: str, config=CONFIG, schedule: str = "1f1b"):
         return str(error)
 
 
+def from_file(mesh, path: str, how: str, schedule: str = "1f1b"):
+    """A pipelined state from the safetensors state dict at `path`: `step.init` of meta
+    parameters with `from_safetensors` ("init"), or `load_full` into a template ("load"); its
+    export, or the error."""
+    step, params = make_step(mesh, schedule=schedule)
+    try:
+        if how == "init":
+            with torch.device("meta"):
+                _, meta = fs.functionalize(GPT(CONFIG))
+            state = step.init(meta, initialize=fs.checkpoint.from_safetensors(path))
+        else:
+            state = fs.checkpoint.load_full(path, step.init(params))
+    except CheckpointError as error:
+        return str(error)
+    return fs.export(state)
+
+
 def export_error(mesh, path: str, out: str) -> str | None:
     """Load `path` here and stream its export to `out`: the error this rank raises."""
     step, params = make_step(mesh)
@@ -348,6 +365,28 @@ def test_a_dcp_checkpoint_loads_into_a_pipelined_state(world, saved, tmp_path, s
     if schedule == "1f1b":  # (2 blocks make no 4 interleaved stages)
         errors = world.run(from_dcp, str(tmp_path / "dcp"), dataclasses.replace(CONFIG, n_layer=2), schedule)
         assert all(isinstance(e, str) and "'blocks.2.ln1.weight'" in e for e in errors), errors
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b"])
+def test_a_pipelined_state_starts_from_a_full_safetensors_file(world, tmp_path, schedule):
+    """A model's state dict in one safetensors file (what `save_pretrained` or `fs.export`
+    writes) initializes a pipelined step's meta parameters (`from_safetensors`) and loads into
+    its template (`load_full`): each rank reads its stages' leaves, a tensor of the file counts
+    as extra only if no stage takes it. The exports equal the file; a file with one tensor more
+    is refused on every rank, naming it."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(3)
+    expected = {k: v.contiguous() for k, v in GPT(CONFIG).state_dict().items()}
+    save_file(expected, tmp_path / "model.safetensors")
+    for how in ("init", "load"):
+        for got in world.run(from_file, str(tmp_path / "model.safetensors"), how, schedule):
+            assert not isinstance(got, str), got
+            assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in expected), how
+    save_file({**expected, "extra.weight": torch.zeros(3)}, tmp_path / "extra.safetensors")
+    for how in ("init", "load"):
+        errors = world.run(from_file, str(tmp_path / "extra.safetensors"), how, schedule)
+        assert all(isinstance(e, str) and "'extra.weight'" in e for e in errors), (how, errors)
 
 
 def test_a_pipelined_export_rank_0_cannot_write_fails_on_every_rank(world, saved, tmp_path):

@@ -17,7 +17,6 @@ see `_dcp_files` for the trust boundary.
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any, Callable
 
@@ -27,14 +26,14 @@ import torch
 from .._export_file import state_dict_names
 from .._layout import BufferSpec, Layout
 from .._mesh import BaseMesh
-from .._placed import gather_texts, layout_groups
+from .._placed import layout_groups
 from .._pytree import NAMESPACE
 from .._shard import _check_shards
 from .._step import StepState
 from ..optim import AdamWState
 from ..tensor_parallel._placement import split_tensor
 from ._dcp_files import DcpIndex, DcpReader, DcpTensor, read_metadata
-from ._format import CheckpointError, _entry_name, piece_start, shard_pieces, split_order
+from ._format import CheckpointError, _entry_name, held_elsewhere, piece_start, shard_pieces, split_order
 
 __all__ = ["load_dcp", "read_dcp"]
 
@@ -108,7 +107,7 @@ def load_dcp(
     mesh.agree(OPERATION)
     rename = rename or (lambda name: name)
     groups = layout_groups(template.params.layout, mesh)
-    elsewhere = _held_elsewhere(template.params.layout, groups, mesh, rename) if len(set(groups)) > 1 else None
+    elsewhere = held_elsewhere(template.params.layout, groups, mesh, rename) if len(set(groups)) > 1 else None
     result, error = None, None
     try:
         result = _load_here(os.path.abspath(path), template, model_key, optim_key, rename, strict, elsewhere)
@@ -122,21 +121,6 @@ def load_dcp(
     if elsewhere is not None:  # each pipeline coordinate read its own parameters' `step`s: one count for all
         mesh.check_same(f"the step count read from {path} (every parameter's `step`)", str(result.step))
     return result
-
-
-def _held_elsewhere(layout: Layout, groups: tuple[int, ...], mesh: BaseMesh, rename) -> tuple[set[str], set[str]]:
-    """Where the ranks hold different leaves (a pipelined state's coordinates hold their
-    stages): the checkpoint names that any rank's state takes (every state-dict name, renamed)
-    and the trainable ones (first names), as the first rank of each layout says. A collective."""
-    names = state_dict_names(layout)
-    trainable = {i for spec in layout.buffers if spec.trainable for i in spec.leaves}
-    told = {
-        "model": [rename(n) for i in range(len(names)) for n in names[i]],
-        "trainable": [rename(names[i][0] if names[i] else layout.paths[i]) for i in sorted(trainable)],
-    }
-    said = gather_texts(mesh, json.dumps(told) if mesh.rank == groups[mesh.rank] else "")
-    every = [json.loads(said[g]) for g in sorted(set(groups))]
-    return {n for t in every for n in t["model"]}, {n for t in every for n in t["trainable"]}
 
 
 def read_dcp(path: str | os.PathLike) -> dict[str, Any]:

@@ -34,13 +34,17 @@ leaf is replicated state.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from typing import Any, NamedTuple
 
 import optree
 import torch
 
+from .._basemesh import BaseMesh
+from .._export_file import state_dict_names
 from .._layout import BufferSpec, Layout
+from .._placed import gather_texts
 from .._pytree import NAMESPACE
 
 FORMAT = "functional_shard.checkpoint"
@@ -363,3 +367,18 @@ def check_compatible(
     for entry in saved:
         if entry.key not in expected_keys:
             raise differ(f"{entry.key!r} ({entry.describe()}) is in the checkpoint but not in this state")
+
+
+def held_elsewhere(layout: Layout, groups: tuple[int, ...], mesh: BaseMesh, rename) -> tuple[set[str], set[str]]:
+    """Where the ranks hold different leaves (a pipelined state's coordinates hold their
+    stages): the checkpoint names that any rank's state takes (every state-dict name, renamed)
+    and the trainable ones (first names), as the first rank of each layout says. A collective."""
+    names = state_dict_names(layout)
+    trainable = {i for spec in layout.buffers if spec.trainable for i in spec.leaves}
+    told = {
+        "model": [rename(n) for i in range(len(names)) for n in names[i]],
+        "trainable": [rename(names[i][0] if names[i] else layout.paths[i]) for i in sorted(trainable)],
+    }
+    said = gather_texts(mesh, json.dumps(told) if mesh.rank == groups[mesh.rank] else "")
+    every = [json.loads(said[g]) for g in sorted(set(groups))]
+    return {n for t in every for n in t["model"]}, {n for t in every for n in t["trainable"]}

@@ -22,10 +22,11 @@ import torch
 
 from .._export_file import SAFETENSORS_DTYPES, state_dict_names
 from .._layout import Layout
+from .._placed import layout_groups
 from .._shard import Sharded, _check_shards
 from .._step import StepState
 from ..initialize import Initializer, LeafSource, shard_from
-from ._format import CheckpointError
+from ._format import CheckpointError, held_elsewhere
 
 __all__ = ["from_safetensors", "load_full", "flat_range_slices"]
 
@@ -87,6 +88,10 @@ def load_full(
     # The file holds the full leaves (`layout.full_shape`); with tensor-parallel placements each
     # split leaf is read whole, one at a time, and cut to this rank's piece (`shard_from`).
     initialize = from_safetensors(path, rename=rename, strict=strict)
+    groups = layout_groups(layout, mesh)
+    if len(set(groups)) > 1:  # a pipelined state: a file tensor is extra only if no rank's stages take it
+        rename = initialize.rename
+        initialize = SafetensorsInitializer(initialize.path, rename, strict, held_elsewhere(layout, groups, mesh, rename)[0])
     loaded = shard_from(initialize, layout, leaves, mesh, operation=OPERATION, full_layout=layout)
     loaded = loaded.replace(shards=[s.to(old.device) for s, old in zip(loaded.shards, sharded.shards)])
     return template.replace(params=loaded) if isinstance(template, StepState) else loaded
@@ -125,14 +130,19 @@ def _describe_full(layout: Layout, i: int) -> str:
 
 
 class SafetensorsInitializer(Initializer):
-    """Made by `from_safetensors`."""
+    """Made by `from_safetensors`. `elsewhere`: the file names that leaves outside the layout it
+    opens take (a pipelined step's other stages), which `strict` does not count as extra."""
 
-    def __init__(self, path: str, rename: Callable[[str], str], strict: bool):
-        self.path, self.rename, self.strict = path, rename, strict
+    def __init__(self, path: str, rename: Callable[[str], str], strict: bool, elsewhere: frozenset[str] = frozenset()):
+        self.path, self.rename, self.strict, self.elsewhere = path, rename, strict, frozenset(elsewhere)
         self.elements_read = 0
 
     def open(self, layout: Layout, leaves: list[torch.Tensor]) -> LeafSource:
         return _FileSource(self, layout, leaves)
+
+    def for_part(self, whole: Layout) -> "SafetensorsInitializer":
+        taken = {self.rename(n) for names in state_dict_names(whole) for n in names}
+        return SafetensorsInitializer(self.path, self.rename, self.strict, self.elsewhere | taken)
 
 
 class _FileSource(LeafSource):
@@ -184,7 +194,7 @@ class _FileSource(LeafSource):
                 )
             found[i] = name
         if self.spec.strict:
-            extra = [n for n in self.handle.keys() if n not in used]
+            extra = [n for n in self.handle.keys() if n not in used and n not in self.spec.elsewhere]
             if extra:
                 raise CheckpointError(
                     f"{where} holds {extra[0]!r}, which no leaf of this state takes ({len(extra)} such tensors): pass "
