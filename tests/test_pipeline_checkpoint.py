@@ -325,7 +325,7 @@ def test_export_of_a_pipelined_state_is_the_full_state_dict(world, saved, tmp_pa
     assert torch.equal(model.head.weight, expected["params/head.weight"])
 
 
-@pytest.mark.parametrize("config", [CONFIG, TIED], ids=["untied", "tied"])
+@pytest.mark.parametrize("config", [CONFIG, pytest.param(TIED, marks=pytest.mark.slow)], ids=["untied", "tied"])  # (suite time)
 def test_a_pipelined_state_saves_as_dcp_as_a_plain_one(world, tmp_path, config):
     """`save_dcp` of a pipelined state (each pipeline coordinate's ranks write their stages'
     boxes; rank 0 the index of all): the same tensors, values and keys as the plain step's
@@ -354,7 +354,7 @@ def test_a_pipelined_state_saves_as_dcp_as_a_plain_one(world, tmp_path, config):
         assert flat.keys() == tensors.keys() and all(torch.equal(flat[k], tensors[k]) for k in tensors), schedule
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b"])
+@pytest.mark.parametrize("schedule", ["1f1b", pytest.param("interleaved_1f1b", marks=pytest.mark.slow)])  # (suite time)
 def test_a_dcp_checkpoint_loads_into_a_pipelined_state(world, saved, tmp_path, schedule):
     """`load_dcp` into a pipelined template (each rank reads its stages' leaves; a tensor is extra
     only if no rank's stages take it): what the ranks held when the fs checkpoint was saved, bit
@@ -367,7 +367,7 @@ def test_a_dcp_checkpoint_loads_into_a_pipelined_state(world, saved, tmp_path, s
         assert all(isinstance(e, str) and "'blocks.2.ln1.weight'" in e for e in errors), errors
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b"])
+@pytest.mark.parametrize("schedule", [pytest.param("1f1b", marks=pytest.mark.slow), "interleaved_1f1b"])  # (suite time)
 def test_a_pipelined_state_starts_from_a_full_safetensors_file(world, tmp_path, schedule):
     """A model's state dict in one safetensors file (what `save_pretrained` or `fs.export`
     writes) initializes a pipelined step's meta parameters (`from_safetensors`) and loads into
