@@ -21,9 +21,11 @@ from __future__ import annotations
 import errno
 import json
 import os
+import random
 import secrets
 import shutil
 import threading
+import time
 
 import pytest
 import safetensors.torch
@@ -120,7 +122,9 @@ def export_rounds(mesh, seed: int, path: str, rounds: int):
 
     mesh.all_gather_world(torch.zeros(1))  # both processes start together
     outcomes, seen = [], []
+    jitter = random.Random(1000 + seed)  # (each process its own: neither stays ahead of the other every round)
     for _ in range(rounds):
+        time.sleep(jitter.uniform(0.0, 0.1))
         try:
             world.run(lambda mesh1: fs.export(state, path))
             outcomes.append("wrote")
