@@ -32,8 +32,8 @@ Checked per case (`check_case`):
   `fs.WeightedLoss` states it (GPT: the mean; Llama: mean x its token count), the sum divided
   once. They are the same bits for GPT (M and D powers of two); for Llama they differ by as much
   as either is from single-process training (e.g. pp2: 9.7e-6 vs 2.2e-5), so the floor is the
-  larger of the two. Measured: fs's parameters equal "summed"'s bit for bit in every case
-  (`fs_to_summed` = 0 printed), ratio 1.0; against "scaled" alone Llama's ratio is 2.2.
+  larger of the two. Measured: fs's parameters equal "summed"'s bit for bit on every mesh
+  without `tp` (`fs_to_summed` = 0 printed), ratio 1.0; against "scaled" alone Llama's ratio is 2.2.
   On a tensor-parallel mesh (pp2 x tp2) the baseline also counts torch's own tensor
   parallelism at `{"tp": 2}` on the same batch and micro-batches (`torch_tensor_parallel`,
   `parallelize_module` by the same plan): a row-parallel matmul's partial sums and the
