@@ -10,12 +10,12 @@ file (raw bytes at offsets fixed in advance by the header, `functional_shard/_ex
 before the next is gathered; where the ranks hold different leaves (a pipelined step's stages),
 each pipeline coordinate gathers its own buffers in turn and sends them to rank 0. The file is
 a plain safetensors file with state-dict names, which
+`model.load_state_dict(safetensors.torch.load_file(path), strict=True)` and Hugging Face
 `from_pretrained(directory)` read.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from typing import Any
@@ -24,7 +24,7 @@ import torch
 
 from ._export_file import ExportError
 from ._export_stream import stream
-from ._placed import gather_texts, layout_groups
+from ._placed import layout_groups, layouts_say
 from ._pytree import tree_flatten, tree_map, tree_paths
 from ._shard import Sharded, gather
 from ._step import StepState, check_not_donated
@@ -108,13 +108,11 @@ def _union(named: dict[str, torch.Tensor], groups: tuple[int, ...], mesh: Any) -
     its tensors; each tensor this rank lacks comes from the first rank (in rank order) that holds
     it, byte for byte (an all-reduce of the bytes, zeros from every other rank); a tensor it
     holds stays its own (module buffers: this rank's). A collective."""
-    leader = groups[mesh.rank]
     mine = [[name, list(t.shape), str(t.dtype).removeprefix("torch.")] for name, t in named.items()]
-    said = gather_texts(mesh, json.dumps(mine) if mesh.rank == leader else "")
     owner: dict[str, tuple[int, list[int], torch.dtype]] = {}
     holders: dict[str, int] = {}
-    for g in sorted(set(groups)):
-        for name, shape, dtype in json.loads(said[g]):
+    for g, told in layouts_say(mesh, groups, mine).items():
+        for name, shape, dtype in told:
             owner.setdefault(name, (g, shape, getattr(torch, dtype)))
             holders[name] = holders.get(name, 0) + 1
     moved = [name for name in owner if holders[name] < len(set(groups))]  # what some layout lacks

@@ -21,7 +21,6 @@ without a pipeline; the same tensors under the same names whatever the stages.
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import os
 from pathlib import Path
@@ -31,7 +30,7 @@ import torch.distributed as dist
 
 from ._collectives import gather_bytes
 from ._export_file import ExportError, FileHeader, LeafEntry, Writer, entries_of, file_order
-from ._placed import gather_texts
+from ._placed import layouts_say
 from ._shard import Sharded, _check_shards
 from .tensor_parallel import gather_leaf
 
@@ -63,16 +62,16 @@ def stream(sharded: Sharded, path: str | os.PathLike, aliases: bool, groups: tup
             error = e
     mine = groups[mesh.rank]
     transfers = getattr(mesh, "p2p_group", None)  # a pipelined mesh's own group for transfers
+    device = getattr(mesh, "device", None)  # NCCL moves CUDA tensors only; the writer copies to the host
     with torch.no_grad():
         for turn, (group, k, keys) in enumerate(sequence):
             leaves = None
             if group == mine:  # every rank of the group takes part in the gather
                 leaves = _gathered(sharded, k)
                 if mesh.rank == group != 0:  # its first rank sends the buffer whole to rank 0
-                    dist.send(_packed(leaves, getattr(mesh, "device", None)), 0, group=transfers)
+                    dist.send(_packed(leaves, device), 0, group=transfers)
             elif mesh.rank == 0:
-                # (on the mesh's device: NCCL moves CUDA tensors only; the writer copies to the host)
-                message = torch.empty(sum(n for n, _, _ in sizes[turn]), dtype=torch.uint8, device=getattr(mesh, "device", None))
+                message = torch.empty(sum(n for n, _, _ in sizes[turn]), dtype=torch.uint8, device=device)
                 dist.recv(message, group, group=transfers)
                 leaves = _unpacked(message, sizes[turn])
             if writer is not None:
@@ -130,20 +129,17 @@ def _grouped_header(sharded: Sharded, aliases: bool, groups: tuple[int, ...], le
     per turn its leaves' (bytes, dtype, shape).
     A collective: the first rank of each group describes its layout to every rank."""
     mesh, layout = sharded.mesh, sharded.layout
-    text = ""
+    mine = None
     if mesh.rank in leaders:
         entries = entries_of(layout)
-        described = {i: [list(e.names), list(e.shape), str(e.dtype).removeprefix("torch."), e.what] for i, e in entries.items()}
-        text = json.dumps({
-            "leaves": described,
+        mine = {
+            "leaves": {i: [list(e.names), list(e.shape), str(e.dtype).removeprefix("torch."), e.what] for i, e in entries.items()},
             "order": [i for i in file_order(layout) if i not in layout.local],
             "buffers": [list(spec.leaves) for spec in layout.buffers],
             "local": list(layout.local),
-        })  # fmt: skip
-    said = gather_texts(mesh, text)
+        }
     order, buffers, sequence, sizes, local, seen = [], [], [], [], [], set()
-    for g in leaders:
-        told = json.loads(said[g])
+    for g, told in layouts_say(mesh, groups, mine).items():
         entry = {
             int(i): LeafEntry((g, int(i)), tuple(names), tuple(shape), getattr(torch, dtype), what)
             for i, (names, shape, dtype, what) in told["leaves"].items()

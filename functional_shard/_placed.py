@@ -13,13 +13,14 @@ told apart by their layouts, which the step compares across ranks before shardin
 (`check_same_layout`: the message names the ranks and the first leaf they lay out differently).
 
 Ranks may also hold different leaves on purpose: a pipelined step's ranks hold the units of their
-own stages. `layout_groups` tells which ranks share a layout (one digest each), and `gather_texts`
-lets each group describe its own to the others (what a checkpoint or an export of the whole model
-needs from ranks that do not hold it).
+own stages. `layout_groups` tells which ranks share a layout (one digest each), and `layouts_say`
+(over `gather_texts`) lets the first rank of each group describe its own to the others (what a
+checkpoint or an export of the whole model needs from ranks that do not hold it).
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, Sequence
 
 import torch
@@ -33,7 +34,7 @@ from ._tree import BUFFER, leaf_roles
 from ._units import Units
 from .tensor_parallel._placement import PlacementError, Split, placements_for, split_tensor
 
-__all__ = ["resolve_placements", "place", "split_leaves", "check_same_layout", "layout_groups", "gather_texts"]
+__all__ = ["resolve_placements", "place", "split_leaves", "check_same_layout", "layout_groups", "layouts_say", "gather_texts"]
 
 
 def resolve_placements(params: Any, rules: Any, mesh: BaseMesh) -> tuple | None:
@@ -151,3 +152,11 @@ def layout_groups(layout: Layout, mesh: BaseMesh) -> tuple[int, ...]:
     mine = torch.tensor([digest(layout.signature())], dtype=torch.int64, device=getattr(mesh, "device", None))
     first: dict[int, int] = {}
     return tuple(first.setdefault(d, rank) for rank, d in enumerate(mesh.all_gather_world(mine).tolist()))
+
+
+def layouts_say(mesh: BaseMesh, groups: tuple[int, ...], value: Any) -> dict[int, Any]:
+    """What the first rank of each layout group says (`value`, anything JSON holds; the other
+    ranks' is not sent), by that rank, in rank order (`groups`: `layout_groups`). A collective:
+    `gather_texts`, on every rank."""
+    said = gather_texts(mesh, json.dumps(value) if mesh.rank == groups[mesh.rank] else "")
+    return {g: json.loads(said[g]) for g in sorted(set(groups))}

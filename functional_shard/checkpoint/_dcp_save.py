@@ -34,7 +34,7 @@ import torch
 
 from .._export_file import create_new_file, fsync_dir, state_dict_names
 from .._layout import Layout
-from .._placed import gather_texts, layout_groups
+from .._placed import gather_texts, layout_groups, layouts_say
 from .._shard import _check_shards
 from .._step import StepState, check_not_donated
 from ._dcp import ADAMW_STATE, _adamw_of
@@ -362,12 +362,11 @@ def _union(mine: list[Stored], groups: tuple[int, ...], mesh: Any) -> tuple[list
     coordinates hold different stages), each stored by the first layout in rank order that holds
     it, with that layout's owner: the index's tensors and `owner`. A collective. Two layouts
     holding one tensor with different shapes or dtypes is a `CheckpointError` on every rank."""
-    text = json.dumps([[t.key, list(t.path), list(t.shape), str(t.dtype).removeprefix("torch."), list(t.ident)] for t in mine])
-    said = gather_texts(mesh, text if mesh.rank == groups[mesh.rank] else "")
+    described = [[t.key, list(t.path), list(t.shape), str(t.dtype).removeprefix("torch."), list(t.ident)] for t in mine]
     tensors: dict[str, Stored] = {}
     owner: dict[tuple[str, str], int] = {}
-    for g in sorted(set(groups)):
-        for key, path, shape, dtype, ident in json.loads(said[g]):
+    for g, told in layouts_say(mesh, groups, described).items():
+        for key, path, shape, dtype, ident in told:
             t = Stored(key, tuple(path), tuple(shape), getattr(torch, dtype), tuple(ident))
             held = tensors.setdefault(key, t)
             if (held.shape, held.dtype) != (t.shape, t.dtype):
@@ -384,6 +383,7 @@ def _metadata(tensors: list[Stored], everyone: list[dict], objects: list[tuple[s
     """The `.metadata` for the items every rank wrote (`everyone[rank]`: each item's ident, box
     and length, in its file's order) and rank 0's objects, written after its items."""
     where: dict[tuple[str, str], list] = {}
+    placed = []
     for rank, told in enumerate(everyone):
         offset = 0
         for (source, fqn, offsets, sizes), length in zip(told["items"], told["lengths"]):
@@ -391,7 +391,6 @@ def _metadata(tensors: list[Stored], everyone: list[dict], objects: list[tuple[s
             offset += length
         if rank == 0:
             lengths = told["lengths"][len(told["items"]) :]
-            placed = []
             for (key, path, _), length in zip(objects, lengths):
                 placed.append((key, path, data_file(0), offset, length))
                 offset += length

@@ -34,7 +34,6 @@ leaf is replicated state.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from typing import Any, NamedTuple
 
@@ -44,7 +43,7 @@ import torch
 from .._basemesh import BaseMesh
 from .._export_file import state_dict_names
 from .._layout import BufferSpec, Layout
-from .._placed import gather_texts
+from .._placed import layouts_say
 from .._pytree import NAMESPACE
 
 FORMAT = "functional_shard.checkpoint"
@@ -379,6 +378,5 @@ def held_elsewhere(layout: Layout, groups: tuple[int, ...], mesh: BaseMesh, rena
         "model": [rename(n) for i in range(len(names)) for n in names[i]],
         "trainable": [rename(names[i][0] if names[i] else layout.paths[i]) for i in sorted(trainable)],
     }
-    said = gather_texts(mesh, json.dumps(told) if mesh.rank == groups[mesh.rank] else "")
-    every = [json.loads(said[g]) for g in sorted(set(groups))]
+    every = layouts_say(mesh, groups, told).values()
     return {n for t in every for n in t["model"]}, {n for t in every for n in t["trainable"]}

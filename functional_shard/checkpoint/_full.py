@@ -90,8 +90,7 @@ def load_full(
     initialize = from_safetensors(path, rename=rename, strict=strict)
     groups = layout_groups(layout, mesh)
     if len(set(groups)) > 1:  # a pipelined state: a file tensor is extra only if no rank's stages take it
-        rename = initialize.rename
-        initialize = SafetensorsInitializer(initialize.path, rename, strict, held_elsewhere(layout, groups, mesh, rename)[0])
+        initialize = initialize.also_taken(held_elsewhere(layout, groups, mesh, initialize.rename)[0])
     loaded = shard_from(initialize, layout, leaves, mesh, operation=OPERATION, full_layout=layout)
     loaded = loaded.replace(shards=[s.to(old.device) for s, old in zip(loaded.shards, sharded.shards)])
     return template.replace(params=loaded) if isinstance(template, StepState) else loaded
@@ -141,8 +140,11 @@ class SafetensorsInitializer(Initializer):
         return _FileSource(self, layout, leaves)
 
     def for_part(self, whole: Layout) -> "SafetensorsInitializer":
-        taken = {self.rename(n) for names in state_dict_names(whole) for n in names}
-        return SafetensorsInitializer(self.path, self.rename, self.strict, self.elsewhere | taken)
+        return self.also_taken({self.rename(n) for names in state_dict_names(whole) for n in names})
+
+    def also_taken(self, names) -> "SafetensorsInitializer":
+        """This initializer with `names` (of the file) taken by leaves elsewhere, too."""
+        return SafetensorsInitializer(self.path, self.rename, self.strict, self.elsewhere | frozenset(names))
 
 
 class _FileSource(LeafSource):
