@@ -49,7 +49,7 @@ class StageFigures:
                 batch_leaves = [torch.empty(micro[i].shape, dtype=micro[i].dtype) for i in p.batch]
                 local = [torch.empty(self._meta[i].shape, dtype=self._meta[i].dtype) for i in p.local]
                 # run(): the program on these inputs; run(call): `call` (an fx.Interpreter's run, say) on them
-                run = lambda call=p.module: call(params, received, batch_leaves, local)  # noqa: E731
+                run = lambda call=p.module if p.call is None or self.compile else p.call: call(params, received, batch_leaves, local)  # noqa: E731
                 lent = [r for r, b in zip(received, p.received) if b.lent]  # held for the step, not per micro-batch
                 with torch.enable_grad():
                     out[p.index] = measure(p, run, params, received, params + batch_leaves + local + lent)

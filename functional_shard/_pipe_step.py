@@ -39,6 +39,7 @@ from ._microbatches import split_microbatches
 from ._reference import StepError, StepOutput
 from ._shard import Sharded, _check_shards, shard_leaves
 from ._stage_assign import assign_stages
+from ._stage_remat import StageRemat
 from ._stages import Cut, cut_stages
 from ._state import StepState, _StepKey, check_not_donated
 from ._tree import BUFFER, FROZEN, TRAINABLE, ModuleParams
@@ -47,6 +48,7 @@ from .pipeline import Action, Pipeline, PipelineSchedule, ScheduleError, build_s
 from .pipeline import explain as pipeline_explain
 from .pipeline._actions import ActionKind
 from .pipeline._peaks import stage_peak_bytes
+from .schedule._remat import RematPolicy
 
 __all__ = ["PipelineStep", "PipelineProfile"]
 
@@ -78,11 +80,14 @@ class PipelineStep(StageFigures):
             if getattr(mesh, "device", torch.device("cpu")).type != "cpu":
                 raise StepError("canonical_chunks with a pipeline carries the CPU generator's state between stages: CPU meshes only for now")
         self.pipeline, self.microbatches, self.trace = pipeline, microbatches, trace
-        if remat is not False and not (remat is True or isinstance(remat, tuple) or callable(remat)):
+        if remat is not False and not (remat is True or isinstance(remat, (tuple, RematPolicy)) or callable(remat)):
             raise StepError(
-                f"a pipelined step rematerializes whole stages: remat=True, a tuple of unit names or a function "
-                f"unit -> bool (a stage is recomputed if any of its units is chosen); got {remat!r}"
+                f"a pipelined step rematerializes whole stages (remat=True, a tuple of unit names or a function "
+                f"unit -> bool: a stage is recomputed if any of its units is chosen) or, under a RematPolicy, each "
+                f"chosen unit on its own; got {remat!r}"
             )
+        if isinstance(remat, RematPolicy) and compile:
+            raise StepError("a pipelined step's RematPolicy runs each stage node by node: not with compile=True")
         self.remat, self.compile, self.has_aux = remat, compile, has_aux
         self._remat_stages: frozenset = frozenset()
         self.units, self.donate, self.precision, self.placements = units, donate, precision, placements
@@ -185,7 +190,7 @@ class PipelineStep(StageFigures):
         shapes, dtypes = computed.shapes, [gather.get(i, leaf.dtype) for i, leaf in enumerate(leaves)]
         self._treedef = tree_flatten(params)[1]
         self._meta = [torch.empty(s, dtype=d, device="meta") for s, d in zip(shapes, dtypes)]
-        chosen = (lambda u: True) if self.remat is True else (lambda u: False) if self.remat is False else (
+        chosen = (lambda u: True) if self.remat is True else (lambda u: False) if self.remat is False or isinstance(self.remat, RematPolicy) else (
             (lambda u: u in self.remat) if isinstance(self.remat, tuple) else self.remat)  # fmt: skip
         self._remat_stages = frozenset(s for u, s in stage_of_unit.items() if chosen(u))
         with torch.no_grad():
@@ -252,6 +257,11 @@ class PipelineStep(StageFigures):
                 )
             if self.canonical is not None:  # the canonical tree sums each micro-batch's gradients whole
                 cut = cut.relaying()
+            if isinstance(self.remat, RematPolicy):  # each chosen unit's activations recomputed in its backward
+                last = self.num_stages - 1
+                cut = cut._replace(stages=tuple(p._replace(call=StageRemat(
+                    p.module, [self._unit_of_leaf[i] for i in p.params], self._units, self.remat, p.index == last).run)
+                    for p in cut.stages))  # fmt: skip
             if self.compile:  # each stage's forward (and, through AOTAutograd, its backward) fused by inductor
                 cut = cut._replace(stages=tuple(p._replace(call=torch.compile(p.module, backend="inductor", fullgraph=True, dynamic=False))
                                                 for p in cut.stages))  # fmt: skip
