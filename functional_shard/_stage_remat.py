@@ -167,22 +167,30 @@ class _Handle:
 
 
 class _Instance:
-    """One forward of a stage under `StageRemat`: what its backward recomputes from."""
+    """One forward of a stage under `StageRemat`: what its backward recomputes from.
+
+    A unit is recomputed at its first read; each recomputed value is dropped once each of its
+    handles has been read. Autograd reads every saved tensor of a node it runs, so a zero-bubble
+    W, which runs the weight side's nodes after I ran them, reads some handles a second time:
+    their unit is recomputed again, and that later copy is kept until another unit's later
+    recomputation replaces it (one unit's values at a time) or the graph goes."""
 
     def __init__(self, remat: StageRemat, outer: tuple[Callable, Callable] | None):
         self.remat, self.outer = remat, outer
-        self.made: dict[int, tuple[StorageWeakRef, tuple, fx.Node, int | None]] = {}  # the recomputable outputs
+        self.made: dict[int, list] = {}  # storage -> (weak ref, view, node, output index) of recomputable outputs
         self.sources: dict[fx.Node, Any] = {}  # values the recomputations read (detached; outer-packed)
-        self.handles: dict[fx.Node, int] = {}  # node -> handles not read yet
-        self.cache: dict[fx.Node, Any] = {}  # recomputed values not read by every handle yet
+        self.handles: dict[fx.Node, list[_Handle]] = {}  # node -> the handles that read it
+        self.cache: dict[fx.Node, Any] = {}  # recomputed values some handle has not read yet
+        self.unread: dict[fx.Node, set[int]] = {}  # node -> ids of its handles not read since it was recomputed
+        self.recomputed: set[int] = set()  # units recomputed at least once
+        self.late: int | None = None  # the unit whose later recomputation is cached
 
     def register(self, n: fx.Node, value: Any) -> None:
         items = enumerate(value) if isinstance(value, (tuple, list)) else [(None, value)]
         for k, t in items:
             if isinstance(t, torch.Tensor) and not t.is_sparse:
                 ref = StorageWeakRef(t.untyped_storage())
-                self.made.setdefault(ref.cdata, [])
-                self.made[ref.cdata].append((ref, _view_key(t), n, k))
+                self.made.setdefault(ref.cdata, []).append((ref, _view_key(t), n, k))
 
     def _match(self, t: torch.Tensor) -> tuple[fx.Node, int | None] | None:
         ref = StorageWeakRef(t.untyped_storage())
@@ -203,46 +211,55 @@ class _Instance:
             else:
                 h.packed = None
                 h.node, h.index = found
-                self.handles[h.node] = self.handles.get(h.node, 0) + 1
+                self.handles.setdefault(h.node, []).append(h)
 
     def keep_source(self, n: fx.Node, value: Any) -> None:
-        self.sources[n] = self.outer[0](value) if self.outer is not None and isinstance(value, torch.Tensor) else _detached(value)
+        packed = self.outer is not None and isinstance(value, torch.Tensor)
+        self.sources[n] = (packed, self.outer[0](value) if packed else _detached(value))
 
     def forward_done(self) -> None:
         self.made.clear()  # no more packs: nothing to match
-        needed = {i for n in self.handles for i in self._inputs_of_unit(self.remat._unit[n])}
+        units = {self.remat._unit[n] for n in self.handles}
+        needed = {i for u in units for n in self.remat._by_unit[u] for i in n.all_input_nodes if i not in self.remat.recomputed}
         self.sources = {n: v for n, v in self.sources.items() if n in needed}  # what no recomputation reads goes
 
-    def _inputs_of_unit(self, u: int) -> set[fx.Node]:
-        return {i for n in self.remat._by_unit[u] for i in n.all_input_nodes if i not in self.remat.recomputed}
-
     def _source(self, n: fx.Node) -> Any:
-        v = self.sources[n]
-        return self.outer[1](v) if self.outer is not None and not isinstance(v, (tuple, list, int, float, bool)) and v is not None else v
+        packed, value = self.sources[n]
+        return self.outer[1](value) if packed else value
 
     def unpack(self, h: _Handle) -> Any:
         if h.node is None:
             return self.outer[1](h.packed) if self.outer is not None else h.packed
         n = h.node
-        value = self.cache[n] if n in self.cache else self._recompute(self.remat._unit[n])[n]
-        left = self.handles.get(n, 0) - 1
-        self.handles[n] = left
-        if left <= 0:
-            self.cache.pop(n, None)
+        if n not in self.cache:
+            u = self.remat._unit[n]
+            if u in self.recomputed:  # a later read (a W): one unit's later copy at a time
+                if self.late is not None and self.late != u:
+                    for m in self.remat._by_unit[self.late]:
+                        self.cache.pop(m, None)
+                        self.unread.pop(m, None)
+                self.late = u
+            self.recomputed.add(u)
+            self._recompute(u)
+        value = self.cache[n]
+        unread = self.unread[n]
+        unread.discard(id(h))
+        if not unread:
+            del self.cache[n], self.unread[n]
         return value if h.index is None else value[h.index]
 
-    def _recompute(self, u: int) -> dict[fx.Node, Any]:
-        """Unit `u`'s recomputable nodes again, from the kept values; the values some handle
-        still reads are cached."""
+    def _recompute(self, u: int) -> None:
+        """Unit `u`'s recomputable nodes again, from the kept values; those some handle reads are
+        cached until each of their handles has read them."""
         env: dict[fx.Node, Any] = {}
         get = lambda i: env[i] if i in env else self._source(i)  # noqa: E731
         with torch.no_grad():
             for n in self.remat._by_unit[u]:
                 env[n] = n.target(*fx.graph.map_arg(n.args, get), **fx.graph.map_arg(n.kwargs, get))
         for n, v in env.items():
-            if n not in self.cache and self.handles.get(n, 0) > 0:
+            if n in self.handles:
                 self.cache[n] = v
-        return env
+                self.unread[n] = {id(h) for h in self.handles[n]}
 
 
 def _view_key(t: torch.Tensor) -> tuple:
