@@ -98,6 +98,8 @@ class StageRemat:
 
     def run(self, params: list, received: list, batch: list, local: list) -> list:
         """The program's outputs, its chosen units' recomputable values left to the backward."""
+        if not self.recomputed:  # no chosen unit here: the program as it is
+            return self.module(params, received, batch, local)
         inst = _Instance(self, torch._C._autograd._top_saved_tensors_default_hooks(False))
         pending: list[_Handle] = []
 
@@ -193,9 +195,11 @@ class _Instance:
                 self.made.setdefault(ref.cdata, []).append((ref, _view_key(t), n, k))
 
     def _match(self, t: torch.Tensor) -> tuple[fx.Node, int | None] | None:
-        ref = StorageWeakRef(t.untyped_storage())
+        made = self.made.get(t.untyped_storage()._cdata)
+        if made is None:
+            return None
         key = _view_key(t)
-        for held, view, n, k in self.made.get(ref.cdata, ()):
+        for held, view, n, k in made:
             if not held.expired() and view == key:
                 return n, k
         return None

@@ -82,6 +82,10 @@ class RematPolicy:
 
     Same bits as without remat: the same ops run on the same inputs.
 
+    In a pipelined step (`sharded_step(..., pipeline=...)`) a policy rematerializes each chosen
+    unit of a stage on its own, in the stage's backward (`functional_shard/_stage_remat.py`);
+    `remat=True` there recomputes whole stages.
+
     Arguments:
         save: op names (aten overload packets, e.g. `"mm"`, `"addmm"`, `"bmm"`, `"_softmax"`;
             `"sdpa"` for every `_scaled_dot_product_*` attention kernel) whose outputs are kept.
