@@ -81,6 +81,16 @@ class StageRemat:
         for n in recompute:
             self._by_unit.setdefault(unit[n], []).append(n)
         self._unit = {n: unit[n] for n in recompute}
+        # per unit, after each of its recomputed nodes, the recomputed values no later one reads
+        self._dead: dict[fx.Node, list[fx.Node]] = {}
+        for nodes_of_unit in self._by_unit.values():
+            last_read = {n: n for n in nodes_of_unit}
+            for n in nodes_of_unit:
+                for i in n.all_input_nodes:
+                    if i in last_read:
+                        last_read[i] = n
+            for value, reader in last_read.items():
+                self._dead.setdefault(reader, []).append(value)
         self.sources = frozenset(i for n in recompute for i in n.all_input_nodes if i not in self.recomputed)
         # when each value of the forward is last read (freed after that node)
         last_use: dict[fx.Node, fx.Node] = {}
@@ -257,13 +267,15 @@ class _Instance:
         cached until each of their handles has read them."""
         env: dict[fx.Node, Any] = {}
         get = lambda i: env[i] if i in env else self._source(i)  # noqa: E731
+        dead = self.remat._dead
         with torch.no_grad():
             for n in self.remat._by_unit[u]:
                 env[n] = n.target(*fx.graph.map_arg(n.args, get), **fx.graph.map_arg(n.kwargs, get))
-        for n, v in env.items():
-            if n in self.handles:
-                self.cache[n] = v
-                self.unread[n] = {id(h) for h in self.handles[n]}
+                if n in self.handles and n not in self.cache:
+                    self.cache[n] = env[n]
+                    self.unread[n] = {id(h) for h in self.handles[n]}
+                for gone in dead.get(n, ()):  # as the forward did: a value goes after its last reader
+                    del env[gone]
 
 
 def _view_key(t: torch.Tensor) -> tuple:
