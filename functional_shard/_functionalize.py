@@ -35,12 +35,13 @@ def functionalize(module: nn.Module) -> tuple[Callable[..., Any], ModuleParams]:
         raise TypeError(f"functionalize expects an nn.Module; got {type(module).__name__}")
     trainable, frozen, buffers = {}, {}, {}
     first_name: dict[int, str] = {}
-    aliases = []
+    aliases, order = [], []
     for name, p in module.named_parameters(remove_duplicate=False):
         if id(p) in first_name:
             aliases.append((name, first_name[id(p)]))
             continue
         first_name[id(p)] = name
+        order.append(name)
         (trainable if p.requires_grad else frozen)[name] = p.detach().clone()
     non_persistent = []
     for module_name, sub in module.named_modules(remove_duplicate=False):
@@ -71,6 +72,7 @@ def functionalize(module: nn.Module) -> tuple[Callable[..., Any], ModuleParams]:
         aliases=tuple(dict.fromkeys(aliases)),
         non_persistent=tuple(dict.fromkeys(non_persistent)),
         batch_norm=tuple(dict.fromkeys(batch_norm)),
+        order=tuple(order) if frozen else (),  # without frozen parameters the flatten order is the module's
     )
 
     def modes() -> tuple[bool, ...]:

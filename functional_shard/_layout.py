@@ -262,8 +262,10 @@ def make_layout(
             )
     local = [i for i, role in enumerate(roles) if role == BUFFER]
     sharded = [i for i, role in enumerate(roles) if role != BUFFER]
+    used = used_order(tree)  # the unit policy sees the leaves in the order of use
+    in_use = sorted(sharded, key=lambda i: used[i])
     try:
-        unit_of = dict(zip(sharded, assign_units(units, [paths[i] for i in sharded])))
+        unit_of = dict(zip(in_use, assign_units(units, [paths[i] for i in in_use])))
     except ValueError as error:
         raise LayoutError(str(error)) from None
     placements = tuple(placements) if placements is not None and any(p is not None for p in placements) else ()
@@ -358,12 +360,22 @@ def _batch_norm_leaves(tree: Any) -> list[bool]:
             aliases=node.aliases,
             non_persistent=node.non_persistent,
             batch_norm=node.batch_norm,
+            order=node.order,
         )
 
     flag_tree = optree.tree_map(
         flags, tree, is_leaf=lambda x: isinstance(x, ModuleParams), none_is_leaf=False, namespace=NAMESPACE
     )
     return tree_flatten(flag_tree)[0]
+
+
+def used_order(tree: Any) -> list[int]:
+    """Per leaf of `tree` (flatten order), a key that sorts the leaves in their order of use: a
+    `ModuleParams` at the root orders its leaves by its `order` (the module's registration
+    order, which `fs.functionalize` records); any other tree, the flatten order."""
+    if isinstance(tree, ModuleParams):
+        return tree.used_order()
+    return list(range(len(tree_flatten(tree)[0])))
 
 
 def check_leaves_match(layout: Layout, leaves: Sequence[torch.Tensor], what: str) -> None:

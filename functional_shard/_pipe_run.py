@@ -152,6 +152,7 @@ def run_actions(
             gradients added in the canonical tree and reduced by `_canonical.reduce`.
     """
     stages = {s: _Stage() for s in schedule.stages_of(mesh.coordinates.get("pp", 0))}
+    random_stages = set(cut.random_stages)
     last = schedule.num_stages - 1
     losses: dict[int, list] = {}
     buffer_of = {i: spec for spec in layout.buffers for i in spec.leaves}  # layout leaf -> its buffer
@@ -240,6 +241,8 @@ def run_actions(
                 else:
                     torch.set_rng_state(inputs[-1])
                     inputs = inputs[:-1]
+            elif s in random_stages:  # each (stage, micro-batch) its own numbers: every schedule the same masks
+                _random.seed_forward(s, m, _device(mesh))
             if any(b.lent for b in program.received):  # the first forward's are kept; later ones use them
                 inputs = list(inputs)
                 for k, b in enumerate(program.received):

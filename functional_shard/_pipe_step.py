@@ -25,7 +25,7 @@ import torch
 from . import _canonical, _nonfinite, _random
 from ._checks import check_leaves, check_same_values
 from ._jit import agree
-from ._layout import make_layout
+from ._layout import make_layout, used_order
 from ._mesh import BaseMesh, Mesh, MeshError, PeerError
 from ._pipe_aux import aux_of
 from ._pipe_figures import StageFigures
@@ -142,7 +142,9 @@ class PipelineStep(StageFigures):
             check_leaves(full_layout, leaves, self.mesh, meta_ok=initialize is not None or self.mesh.abstract)
             paths, roles = full_layout.paths, full_layout.roles
             unit_names = {paths[i]: spec.unit for spec in full_layout.buffers for i in spec.leaves}
-            order = list(dict.fromkeys(unit_names[p] for p, r in zip(paths, roles) if r != BUFFER))
+            used = used_order(params)  # units in the order of use (a frozen embedding still first)
+            order = list(dict.fromkeys(unit_names[paths[i]] for i in sorted(range(len(paths)), key=lambda i: used[i])
+                                       if roles[i] != BUFFER))  # fmt: skip
             stage_of_unit = assign_stages(order, self.num_stages, self.pipeline.stages)
             mine = set(self.schedule.stages_of(self.pp_rank))
             parts: dict[str, dict] = {TRAINABLE: {}, FROZEN: {}, BUFFER: {}}
@@ -156,6 +158,7 @@ class PipelineStep(StageFigures):
                     aliases=tuple((a, n) for a, n in params.aliases if n in names),
                     non_persistent=tuple(n for n in params.non_persistent if n in names),
                     batch_norm=tuple(n for n in params.batch_norm if n in names),
+                    order=tuple(n for n in params.order if n in names),
                 )
             sub = ModuleParams(parts[TRAINABLE], parts[FROZEN], parts[BUFFER], **extra)
             unit_of = lambda path: unit_names[path]  # noqa: E731 - the full tree's units

@@ -6,7 +6,9 @@ differ only on a model-parallel axis draw the same numbers (the same dropout mas
 activations they all hold). A layout-invariant step (`sharded_step(..., canonical_chunks=G)`)
 draws per chunk instead: before each chunk the `functional_shard::reseed` op seeds the
 generators from `(seed, step, chunk)`; traced graphs hold it as a node and replay it, so the
-masks are the same at every layout, eager or traced.
+masks are the same at every layout, eager or traced. A pipelined step seeds each stage's forward
+of each micro-batch from `(seed, step, data rank, stage, micro-batch)` (`seed_forward`): the
+masks do not depend on the schedule's order, and no two stages draw the same ones.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 
 from . import _tracing
 
-__all__ = ["stream_seed", "stream", "chunk_seed", "reseed"]
+__all__ = ["stream_seed", "stream", "chunk_seed", "reseed", "forward_seed", "seed_forward"]
 
 
 def stream_seed(seed: int, step: int, rank: int) -> int:
@@ -44,6 +46,23 @@ def stream(seed: int, step: int, rank: int | None, device: torch.device) -> Iter
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), _tracing.random_stream(base):
         _seed_generators(base, device)
         yield
+
+
+def forward_seed(base: int, stage: int, microbatch: int) -> int:
+    """The seed of a pipeline stage's forward of one micro-batch in the step whose stream is `base`."""
+    digest = hashlib.blake2b(f"{base}:stage:{stage}:{microbatch}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def seed_forward(stage: int, microbatch: int, device: torch.device) -> None:
+    """Seed the generators for stage `stage`'s forward of micro-batch `microbatch` (a pipelined
+    step, inside its `stream`): each forward draws its own numbers, whatever the schedule runs
+    before it on the rank and whichever rank holds the stage, so every schedule gives the same
+    dropout masks, and two stages never the same ones."""
+    base = _tracing.random_base()
+    if base is None:
+        raise RuntimeError("internal: a pipeline stage's forward ran outside a step's random stream")
+    _seed_generators(forward_seed(base, stage, microbatch), device)
 
 
 def chunk_seed(base: int, chunk: int) -> int:

@@ -33,13 +33,17 @@ class ModuleParams(Mapping):
         non_persistent: names of buffers that the module's state dict leaves out.
         batch_norm: names of parameters of BatchNorm modules, which mixed precision keeps
             in their own dtype unless told otherwise (`fs.Precision.keep_batch_norm`).
+        order: the parameters' names (trainable and frozen) in the module's registration
+            order, which stands for the order of use: the default unit policy and a pipeline's
+            stages follow it (a frozen embedding stays before the blocks). Empty: the flatten
+            order (trainable, then frozen).
 
     It reads like one mapping from every name (trainable, frozen and buffer) to its tensor.
     As a pytree its leaves are the trainable, then frozen, then buffer tensors, each keyed by
     its name; names, roles and aliases are static structure.
     """
 
-    __slots__ = ("trainable", "frozen", "buffers", "aliases", "non_persistent", "batch_norm")
+    __slots__ = ("trainable", "frozen", "buffers", "aliases", "non_persistent", "batch_norm", "order")
 
     def __init__(
         self,
@@ -50,6 +54,7 @@ class ModuleParams(Mapping):
         aliases: tuple[tuple[str, str], ...] = (),
         non_persistent: tuple[str, ...] = (),
         batch_norm: tuple[str, ...] = (),
+        order: tuple[str, ...] = (),
     ):
         self.trainable = dict(trainable)
         self.frozen = dict(frozen or {})
@@ -57,11 +62,14 @@ class ModuleParams(Mapping):
         self.aliases = tuple(aliases)
         self.non_persistent = tuple(non_persistent)
         self.batch_norm = tuple(batch_norm)
+        self.order = tuple(order)
         seen: set[str] = set()
         for name in (*self.trainable, *self.frozen, *self.buffers):
             if name in seen:
                 raise ValueError(f"ModuleParams: name {name!r} appears in more than one role")
             seen.add(name)
+        if self.order and sorted(self.order) != sorted((*self.trainable, *self.frozen)):
+            raise ValueError("ModuleParams: order must name every trainable and frozen parameter once")
 
     def __getitem__(self, name: str) -> Any:
         for part in (self.trainable, self.frozen, self.buffers):
@@ -88,14 +96,14 @@ class ModuleParams(Mapping):
 
     def _structure(self) -> tuple:
         names = (tuple(self.trainable), tuple(self.frozen), tuple(self.buffers))
-        return (*names, self.aliases, self.non_persistent, self.batch_norm)
+        return (*names, self.aliases, self.non_persistent, self.batch_norm, self.order)
 
     def _children(self) -> list:
         return [*self.trainable.values(), *self.frozen.values(), *self.buffers.values()]
 
     @classmethod
     def _rebuild(cls, structure: tuple, children) -> "ModuleParams":
-        trainable_names, frozen_names, buffer_names, aliases, non_persistent, batch_norm = structure
+        trainable_names, frozen_names, buffer_names, aliases, non_persistent, batch_norm, order = structure
         children = list(children)
         a, b = len(trainable_names), len(trainable_names) + len(frozen_names)
         return cls(
@@ -105,6 +113,7 @@ class ModuleParams(Mapping):
             aliases=aliases,
             non_persistent=non_persistent,
             batch_norm=batch_norm,
+            order=order,
         )
 
     def roles(self) -> "ModuleParams":
@@ -116,7 +125,17 @@ class ModuleParams(Mapping):
             aliases=self.aliases,
             non_persistent=self.non_persistent,
             batch_norm=self.batch_norm,
+            order=self.order,
         )
+
+    def used_order(self) -> list[int]:
+        """Per leaf (flatten order), its position in the order of use: `order`'s where it is
+        given, else the flatten order; module buffers after every parameter."""
+        names = [*self.trainable, *self.frozen, *self.buffers]
+        if not self.order:
+            return list(range(len(names)))
+        position = {n: k for k, n in enumerate(self.order)}
+        return [position.get(n, len(position) + k) for k, n in enumerate(names)]
 
     def state_dict(self) -> dict[str, Any]:
         """name -> tensor as `nn.Module.state_dict()` lays it out (aliases included,

@@ -45,12 +45,16 @@ MICROBATCHES = 2
 _BUILDING = threading.Lock()  # thread-ranks share torch's global RNG: one builds at a time
 
 
-def make_step(mesh, config=CONFIG, *, trace: bool = False, schedule: str = "1f1b"):
-    """The GPT's step (AdamW; `schedule`, 1F1B, over `MICROBATCHES` on a mesh with `pp`) and its parameters."""
+def make_step(mesh, config=CONFIG, *, trace: bool = False, schedule: str = "1f1b", frozen: tuple[str, ...] = ()):
+    """The GPT's step (AdamW; `schedule`, 1F1B, over `MICROBATCHES` on a mesh with `pp`) and its
+    parameters; those whose names start with one of `frozen` frozen."""
     torch.set_num_threads(1)
     with _BUILDING:
         torch.manual_seed(0)
-        apply_fn, params = fs.functionalize(GPT(config))
+        model = GPT(config)
+        for name, p in model.named_parameters():
+            p.requires_grad_(not name.startswith(frozen) if frozen else True)
+        apply_fn, params = fs.functionalize(model)
 
     def loss_fn(p, batch):
         idx, targets = batch
@@ -127,18 +131,18 @@ def save_and_resume(mesh, directory: str, config=CONFIG, trace: bool = False):
     return saved, (straight_losses, held(state)), (resumed_losses, held(resumed))
 
 
-def save_at(mesh, path: str, axes=None, config=CONFIG, steps: int = 2):
+def save_at(mesh, path: str, axes=None, config=CONFIG, steps: int = 2, frozen: tuple[str, ...] = ()):
     mesh = mesh_of(mesh, axes)
-    step, params = make_step(mesh, config)
+    step, params = make_step(mesh, config, frozen=frozen)
     state, _ = train(step, step.init(params), mesh, range(steps))
     fs.checkpoint.save(path, state)
     return held(state)
 
 
-def load_at(mesh, path: str, axes=None, save_to: str | None = None, config=CONFIG):
+def load_at(mesh, path: str, axes=None, save_to: str | None = None, config=CONFIG, frozen: tuple[str, ...] = ()):
     """Load `path` at `axes` (and save it again to `save_to`, from there)."""
     mesh = mesh_of(mesh, axes)
-    step, params = make_step(mesh, config)
+    step, params = make_step(mesh, config, frozen=frozen)
     state = fs.checkpoint.load(path, step.init(params))
     if save_to is not None:
         fs.checkpoint.save(save_to, state)
@@ -301,6 +305,19 @@ def test_tied_gpt_checkpoint_across_pipeline_degrees(world, tmp_path):
     expected = union(world.run(save_at, plain, {"fsdp": 4}, TIED, 1))
     results = world.run(load_at, plain, None, None, TIED)
     assert_same(expected, union([got for got, _ in results]), "tied, saved at fsdp4, loaded at pp2xfsdp2")
+
+
+def test_a_stage_of_frozen_units_saves_and_loads(world, tmp_path):
+    """The last stage's units all frozen (a fine-tuned trunk, its head and last blocks fixed): the
+    ranks of that stage hold no optimizer state (`{}` for each moment) and still agree with the
+    others on the checkpoint's structure; saved at pp2 x fsdp2, loaded there and at fsdp4, exact."""
+    frozen = ("blocks.2.", "blocks.3.", "ln_f.", "head.")
+    path = str(tmp_path / "ckpt")
+    expected = union(world.run(save_at, path, None, CONFIG, 1, frozen))
+    assert "opt/exp_avg/head.weight" not in expected and "opt/exp_avg/blocks.0.attn.qkv.weight" in expected
+    for axes in (None, {"fsdp": 4}):
+        results = world.run(load_at, path, axes, None, CONFIG, frozen)
+        assert_same(expected, union([got for got, _ in results]), f"frozen last stage, loaded at {axes}")
 
 
 def test_export_of_a_pipelined_state_is_the_full_state_dict(world, saved, tmp_path):

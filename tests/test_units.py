@@ -167,3 +167,34 @@ def test_a_unit_the_step_does_not_have_in_reshard_after_forward_raises():
         planned(problem, None, fs.Schedule(reshard_after_forward={"rest": False}))
     alive, _ = planned(problem, None, fs.Schedule(reshard_after_forward={"output": False}))
     assert alive == 2
+
+
+def test_frozen_leaves_keep_their_place_in_the_order_of_use():
+    """`fs.functionalize` records the module's registration order (`ModuleParams.order`) when some
+    parameters are frozen: the default units name a frozen embedding `input` and frozen blocks by
+    their index (not `output` / `after.<last block>`, as the flatten order, trainable first, put
+    them), and a pipeline's stages cut the units in that order: the frozen embedding on stage 0."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=2, d_model=32, tie_weights=False))
+    for name, p in model.named_parameters():
+        p.requires_grad_(not name.startswith(("tok_emb", "pos_emb", "blocks.0.")))
+    apply_fn, params = fs.functionalize(model)
+    assert params.order == tuple(n for n, _ in model.named_parameters())
+    from functional_shard._layout import make_layout
+
+    layout, _ = make_layout(params, 1)
+    unit_of = {layout.paths[i]: spec.unit for spec in layout.buffers for i in spec.leaves}
+    assert unit_of["tok_emb.weight"] == "input" and unit_of["blocks.0.attn.qkv.weight"] == "blocks.0", unit_of
+    assert unit_of["head.weight"] == "output", unit_of
+
+    def loss_fn(p, batch):
+        return F.cross_entropy(apply_fn(p, batch[0]).flatten(0, 1), batch[1].flatten())
+
+    stages = []
+    for rank in range(2):
+        mesh = fs.analysis.AbstractMesh({"pp": 2}, rank=rank)
+        step = fs.sharded_step(loss_fn, mesh, optimizer=fs.optim.adamw(1e-3), microbatches=2,
+                               pipeline=fs.pipeline.Pipeline("1f1b", stages=[["input", "blocks.0", "blocks.1"], ["blocks.2", "blocks.3", "output"]]))  # fmt: skip
+        stages.append(set(step.init_abstract(params).params.layout.paths))
+    assert {"tok_emb.weight", "blocks.0.attn.qkv.weight", "blocks.1.attn.qkv.weight"} <= stages[0], stages[0]
+    assert {"head.weight", "blocks.3.attn.qkv.weight"} <= stages[1] and "tok_emb.weight" not in stages[1], stages[1]

@@ -177,9 +177,11 @@ def optimizer_slots(opt_state: Any, layout: Layout) -> tuple[list[OptimizerSlot]
     names = {spec.name for spec in trainable}
 
     def is_param_like(x: Any) -> bool:
+        # (a rank without trainable leaves, a pipeline stage all frozen, holds `{}` there: the
+        # same structure as the ranks that hold tensors, as the built-in optimizers keep a field
+        # either a tree over the parameters or None)
         return (
             isinstance(x, dict)
-            and bool(names)
             and set(x) == names
             and all(isinstance(x[s.name], torch.Tensor) and tuple(x[s.name].shape) == (s.shard_numel,) for s in trainable)
         )

@@ -81,8 +81,8 @@ class TensorParallelLinear(_TensorParallel):
         if style in _COLWISE or style in _COLWISE_GATHERED:
             if sequence is None:
                 y = F.linear(copy_to(x, mesh, axis), self.weight, self.bias)
-            elif sequence == "copied":  # the enclosing module passed its input through copy_to once
-                y = F.linear(x, self.weight, self.bias)
+            elif sequence == "copied":  # the holder's first input: through copy_to once for all its Linears
+                y = F.linear(_copied_input(self, x, mesh, axis), self.weight, self.bias)
             else:
                 # On the whole sequence, saving only this rank's slice for the backward.
                 full = gather_sequence(x, mesh, axis) if sequence == "gather" else x
@@ -170,7 +170,13 @@ def parallelize(
     sizes = dict(mesh.shape)
     placements = placements_for(shapes, rules, sizes)
     split: dict[str, tuple[str, str]] = {}
+    summed: dict[str, tuple[str, ...]] = {}  # module -> its parameters styled replicated_with_grad_allreduce
     for name, module in model.named_modules():
+        if hasattr(module, "_parameters"):
+            grads = tuple(k for k, v in module._parameters.items() if v is not None and _style_of(
+                f"{name}.{k}" if name else k, tuple(v.shape), rules) == "replicated_with_grad_allreduce")  # fmt: skip
+            if grads:
+                summed[name] = grads
         weight = module._parameters.get("weight") if hasattr(module, "_parameters") else None
         if weight is None:
             continue
@@ -208,6 +214,15 @@ def parallelize(
         _, sequence_axis, roles = sequence_roles(model, split, replicated, blocks)
     elif split:
         roles, sequence_axis = _copy_once_roles(split), None
+        # A module on each rank's own part of the activations (a per-head q/k norm after a
+        # column-parallel projection) holding parameters styled replicated_with_grad_allreduce:
+        # their gradients are partial sums over the axis, all-reduced by passing them through
+        # copy_to in its forward (what sequence parallelism does for the norms it runs on slices).
+        for name, names in summed.items():
+            if name in split:
+                continue
+            role = roles.get(name, Role(None, (), None, False))
+            roles[name] = role._replace(copied=tuple(dict.fromkeys((*role.copied, *names))))
     # Every check passed: only now are classes changed.
     modules = dict(model.named_modules())
     for name, (style, axis) in split.items():
@@ -220,6 +235,10 @@ def parallelize(
     for name, role in roles.items():
         if name not in split:
             apply_role(modules[name], role, role_style(role), mesh, sequence_axis or _split_axis(split), _module_class)
+    if not sequence_parallel:  # a Linear reading its holder's first input shares the holder's one copy_to
+        for name, role in roles.items():
+            if role.linear == "copied":
+                modules[name].__dict__["_fs_copy_holder"] = modules[name.rsplit(".", 1)[0]]
     return model
 
 
@@ -227,12 +246,27 @@ def _split_axis(split: dict[str, tuple[str, str]]) -> str:
     return next(iter(split.values()))[1]
 
 
+def _copied_input(linear: nn.Module, x: torch.Tensor, mesh: Any, axis: str) -> torch.Tensor:
+    """A column-parallel Linear's input through `copy_to`: the holder's one copy when `x` is the
+    holder's first input itself, else a copy of its own (an input the holder computed: a norm of
+    it, another tensor)."""
+    holder = linear.__dict__.get("_fs_copy_holder")
+    frames = holder.__dict__.get("_fs_copy_frames") if holder is not None else None
+    if frames and x is frames[-1][0]:
+        if frames[-1][1] is None:
+            frames[-1][1] = copy_to(x, mesh, axis)
+        return frames[-1][1]
+    return copy_to(x, mesh, axis)
+
+
 def _copy_once_roles(split: dict[str, tuple[str, str]]) -> dict[str, Role]:
     """Plain tensor parallelism: a module holding several column-parallel Linears as direct
     children (attention's q/k/v, a gated MLP's gate/up) passes its first input through `copy_to`
-    once and its Linears skip theirs, so the input's gradient is all-reduced once per module —
-    Megatron's 4 all-reduces of `b·s·h` per layer, not one per Linear. It assumes, as sequence
-    parallelism does, that those Linears read that input (true of Llama, Qwen2 and GPT blocks)."""
+    once for the Linears that read it, so its gradient is all-reduced once per module —
+    Megatron's 4 all-reduces of `b·s·h` per layer, not one per Linear. Only the Linears that read
+    that very tensor share the copy: another use of it in the module (a residual add) keeps the
+    input's own gradient, and a Linear reading something else (a norm of it) copies its own input
+    (`_copied_input`)."""
     holders: dict[str, list[str]] = {}
     for name, (style, _) in split.items():
         if style in _COLWISE and "." in name:

@@ -106,8 +106,13 @@ class SequenceParallelModule(_SequenceParallel):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         mesh, axis = self._fs_mesh, self._fs_axis
-        if self._fs_input is not None:
-            move = {"scatter": _scatter_sequence, "gather": _gather_sequence, "copy": _copy_input}[self._fs_input]
+        frames = None
+        if self._fs_input == "copy":  # plain TP: its Linears that read this input share one copy_to of it
+            first = args[0] if args else kwargs.get(self._fs_input_name)
+            frames = self.__dict__.setdefault("_fs_copy_frames", [])
+            frames.append([first, None])
+        elif self._fs_input is not None:
+            move = {"scatter": _scatter_sequence, "gather": _gather_sequence}[self._fs_input]
             if args:
                 args = (move(args[0], mesh, axis, self),) + tuple(args[1:])
             elif self._fs_input_name in kwargs:
@@ -119,6 +124,8 @@ class SequenceParallelModule(_SequenceParallel):
             return super().forward(*args, **kwargs)
         finally:
             self._parameters.update(saved)
+            if frames is not None:
+                frames.pop()
 
 
 class SequenceParallelDropout(_SequenceParallel):
@@ -250,12 +257,6 @@ def _scatter_sequence(x: Any, mesh: Any, axis: str, module: nn.Module) -> torch.
 
 def _gather_sequence(x: Any, mesh: Any, axis: str, module: nn.Module) -> torch.Tensor:
     return gather_sequence(_checked(x, module), mesh, axis)
-
-
-def _copy_input(x: Any, mesh: Any, axis: str, module: nn.Module) -> torch.Tensor:
-    """Plain tensor parallelism: the input of a module of several column-parallel Linears passed
-    through `copy_to` once (Megatron's f), so its gradient is all-reduced once, not per Linear."""
-    return copy_to(x, mesh, axis)
 
 
 def _first_input_name(module: nn.Module) -> str | None:
