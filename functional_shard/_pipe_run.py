@@ -31,6 +31,8 @@ values, moved earlier.
 
 from __future__ import annotations
 
+import datetime
+
 import functools
 import time
 from typing import Any, NamedTuple
@@ -39,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from . import _canonical, _random, _split_backward, _tracing
+from ._agreement import _group_timeout
 from ._collectives import ReduceScatterFlat
 from ._layout import Layout
 from ._pipe_saved import Recorder, saved_bytes
@@ -58,6 +61,17 @@ class PointToPoint:
         self.mesh = mesh
         self.overlap = overlap
         self.pending_sends: list = []
+        # A transfer waits no longer than a collective of its group may: a peer that failed (its
+        # stage raised) leaves this rank's receive to time out, as a collective would, not hang.
+        # (the world's timeout: the one the mesh was made with; its transfer group's is torch's default)
+        self.timeout = datetime.timedelta(seconds=_group_timeout(dist.group.WORLD)) if dist.is_initialized() else None
+
+    def wait(self, work) -> None:
+        """Wait for one transfer, at most the group's collective timeout."""
+        if self.timeout is None:
+            work.wait()
+        else:
+            work.wait(self.timeout)
 
     def peer(self, pp_index: int) -> int:
         """The global rank at pipeline coordinate `pp_index` with this rank's other coordinates."""
@@ -75,13 +89,13 @@ class PointToPoint:
         works = dist.batch_isend_irecv(p2p) if p2p else []
         if not self.overlap:
             for w in works:
-                w.wait()
+                self.wait(w)
             return [None] * len(ops)
         return list(works)
 
     def finish(self) -> None:
         for w in self.pending_sends:
-            w.wait()
+            self.wait(w)
         self.pending_sends = []
 
 
@@ -187,14 +201,14 @@ def run_actions(
         if works:
             begin = time.perf_counter_ns()
             for w in works:
-                w.wait()
+                p2p.wait(w)
             waited[0] += time.perf_counter_ns() - begin
         # What arrived proves some of this rank's sends received (`_sends_proved`): they are
         # complete (waiting cannot block), and their tensors are let go now rather than at the end
         # of the step. (Nothing received, nothing proved: those sends are waited at the end.)
         for key in proves.get((kind, s, m), ()) if works else ():
             for w in waits.pop(key, []):
-                w.wait()
+                p2p.wait(w)
 
     clock = time.perf_counter_ns
     for a in row:

@@ -259,3 +259,34 @@ def test_custom_autograd_function_is_refused_with_its_name(world):
     for kind, message, _ in got:
         assert kind == "StepError", message
         assert "autograd.Function(s) Sign" in message and "custom backward" in message, message
+
+
+# --- a stage that raises at run time ------------------------------------------------------------
+
+
+def _first_stage_raises(mesh) -> str:
+    """Stage 0 raises in its forward (token ids out of the embedding's range) on the second step;
+    returns what this rank raised and after how long."""
+    import time
+
+    torch.set_num_threads(1)
+    apply_fn, params = gpt()
+    step = fs.sharded_step(gpt_loss(apply_fn), mesh, optimizer=fs.optim.adamw(1e-3), microbatches=2,
+                           pipeline=fs.pipeline.Pipeline("1f1b"))  # fmt: skip
+    state, _ = step(step.init(params), batch())
+    ids, targets = batch()
+    start = time.monotonic()
+    try:
+        step(state, (ids + 1000, targets))
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {str(e)[:200]} after {time.monotonic() - start:.1f} s"
+    return "no error"
+
+
+def test_a_stage_that_raises_fails_its_peer_within_the_collective_timeout():
+    """Rank 0's stage raises in its forward: rank 1, waiting for its activation, raises once the
+    collective timeout the mesh was made with (4 s here) has passed, instead of waiting forever."""
+    with fs.testing.LocalWorld(2, axes={"pp": 2}, collective_timeout=4.0, call_timeout=60.0) as world:
+        first, second = world.run(_first_stage_raises)
+    assert first.startswith("IndexError"), first
+    assert "Timed out" in second and float(second.rsplit(" after ", 1)[1].split()[0]) < 20, second
