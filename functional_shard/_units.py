@@ -1,7 +1,7 @@
 """Unit policies: which leaves of a parameter pytree move together (one all-gather, one reduce-scatter).
 
 A policy is either a plain function `path -> unit name`, called leaf by leaf, or a `UnitPolicy`
-value, called once with the paths of every sharded leaf in flatten order, so that it can place
+value, called once with the paths of every sharded leaf in the order of use, so that it can place
 a leaf by where it sits among the others. The default, `BlockUnits()`, gives each repeated block
 a unit and splits the leaves outside the blocks by their side: `input` (embeddings) and
 `output` (final norm, head), so that neither stays gathered through the whole forward.
@@ -46,10 +46,11 @@ class UnitPolicy:
     whose fields are its settings and whose `__call__(paths)` returns one unit name per path.
 
     `paths` are the paths of the leaves that go into flat buffers (trainable and frozen
-    parameters; module buffers are in no unit), in the tree's flatten order: for the params of
-    `fs.functionalize`, the trainable parameters in the module's registration order, then the
-    frozen ones; for a plain dict, its keys sorted. A plain function `path -> unit name` is a
-    policy too (called leaf by leaf); subclass this one when a leaf's unit depends on the others.
+    parameters; module buffers are in no unit), in the order of use: for the params of
+    `fs.functionalize`, the order the module registers its parameters (trainable and frozen
+    together: `ModuleParams.order`); for any other tree, its flatten order (a plain dict: its
+    keys sorted). A plain function `path -> unit name` is a policy too (called leaf by leaf);
+    subclass this one when a leaf's unit depends on the others.
     """
 
     def __call__(self, paths: tuple[str, ...]) -> Sequence[str]:
@@ -59,7 +60,7 @@ class UnitPolicy:
 @dataclasses.dataclass(frozen=True)
 class BlockUnits(UnitPolicy):
     """The default unit policy: one unit per repeated block, and the leaves outside the blocks
-    split by where they sit, in flatten order:
+    split by where they sit, in the order of use:
 
     - a block: the path up to its first integer index, as `units_by_block` cuts it
       (`blocks.3.attn.weight` -> `blocks.3`, `model.layers.0.mlp.up_proj.weight` -> `model.layers.0`);
@@ -71,11 +72,9 @@ class BlockUnits(UnitPolicy):
       the other;
     - `rest`: every leaf, when the tree has no block at all (as `units_by_block` makes it).
 
-    Flatten order stands for the order of use, which it is for models that register their
-    modules in the order their forward runs them. It is not for frozen parameters in
-    `fs.functionalize`'s params, which come after all the trainable ones: a frozen stem ends in
-    `output` (next to the head, as it was in `rest`), and a frozen embedding under trainable
-    blocks (adapters) in `after.<last block>`. Pass a policy of your own when that matters.
+    The order of use is the module's registration order, which is the order its forward runs
+    them for models that register their modules that way; frozen parameters keep their place in
+    it (`ModuleParams.order`), so a frozen embedding is `input` and a frozen block its own unit.
 
     A weight tied between the embedding and the head is one leaf, under its first name: it is
     in `input`, which is then read at both ends of the forward and stays gathered in between.
@@ -106,7 +105,7 @@ Units = UnitPolicy | Callable[[str], str] | None
 
 
 def assign_units(policy: Units, paths: Sequence[str]) -> list[str]:
-    """The unit of each of `paths` (flatten order) under `policy` (None: `BlockUnits()`).
+    """The unit of each of `paths` (in the order of use) under `policy` (None: `BlockUnits()`).
 
     Raises `ValueError` naming the leaf path when the policy returns something other than one
     `str` per path.
