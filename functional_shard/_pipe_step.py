@@ -32,7 +32,7 @@ from ._pipe_figures import StageFigures
 from ._pipe_mean import mean_of
 from ._pipe_run import PointToPoint, run_actions
 from ._pipe_saved import Recorder
-from ._placed import place, resolve_placements
+from ._placed import CheckedLoss, place, resolve_placements, styled_axes
 from ._pytree import tree_flatten, tree_map, tree_paths
 from .initialize import shard_from
 from ._microbatches import split_microbatches
@@ -73,7 +73,7 @@ class PipelineStep(StageFigures):
             raise MeshError(f"fs.sharded_step does not apply the model-parallel axis {split[0]!r} of the {mesh.describe()}")
         if "tp" in mesh.model_axes and placements is None:
             raise MeshError(f"the {mesh.describe()} has a 'tp' axis but no placements= were given (docs/parallelism.md)")
-        self.loss_fn, self.mesh, self.optimizer = loss_fn, mesh, optimizer
+        self.loss_fn, self.mesh, self.optimizer = CheckedLoss(loss_fn), mesh, optimizer
         self.canonical = _canonical.resolve(canonical_chunks, mesh, microbatches)  # ValueError: not invariant here
         if self.canonical is not None:
             microbatches = self.canonical.per_rank
@@ -165,6 +165,7 @@ class PipelineStep(StageFigures):
             # Placements are resolved on the whole tree (a rule may name another stage's leaves), then read per leaf.
             meta = tree_map(lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta"), params)
             every = resolve_placements(meta, self.placements, self.mesh)
+            self.loss_fn.styled = styled_axes(meta, self.placements, self.mesh)
             by_path = dict(zip(paths, every)) if every is not None else {}
             placements = tuple(by_path.get(p) for p in tree_paths(sub)) if every is not None else None
             with torch.no_grad():

@@ -20,11 +20,13 @@ checkpoint or an export of the whole model needs from ranks that do not hold it)
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any, Sequence
 
 import torch
 
+from . import _tracing
 from ._agreement import digest
 from ._basemesh import gather_texts  # noqa: F401 - re-exported: checkpoints and export read it here
 from ._layout import Layout, make_layout
@@ -35,6 +37,60 @@ from ._units import Units
 from .tensor_parallel._placement import PlacementError, Split, placements_for, split_tensor
 
 __all__ = ["resolve_placements", "place", "split_leaves", "check_same_layout", "layout_groups", "layouts_say", "gather_texts"]
+
+
+def styled_axes(params: Any, rules: Any, mesh: BaseMesh) -> dict[str, tuple[str, str]]:
+    """Model axis -> (the first leaf, its style) of the leaves `rules` split over an axis of more
+    than one rank with a style that changes their module's forward (`colwise`, `rowwise`,
+    `embedding_rowwise`, ...): a step over such leaves must issue tensor-parallel collectives
+    over that axis (`check_parallelized`)."""
+    from .tensor_parallel._modules import _NO_FORWARD, _style_of
+    from .tensor_parallel._placement import _as_rules
+
+    if rules is None:
+        return {}
+    rules = _as_rules(rules)
+    placements = resolve_placements(params, rules, mesh) or ()
+    out: dict[str, tuple[str, str]] = {}
+    for path, leaf, placement in zip(tree_paths(params), tree_flatten(params)[0], placements):
+        if placement is None or placement.axis in out:
+            continue
+        style = _style_of(path, tuple(leaf.shape), rules)
+        if style is not None and style not in _NO_FORWARD:
+            out[placement.axis] = (path, style)
+    return out
+
+
+def check_parallelized(styled: dict[str, tuple[str, str]], seen: set, where: str) -> None:
+    """Raise `PlacementError` when `loss_fn` worked over none of the model axes `styled` names
+    (`_tracing.recording_model_axes`): its modules ran unparallelized on the split pieces."""
+    for axis, (path, style) in styled.items():
+        if axis not in seen:
+            raise PlacementError(
+                f"{where}: the placements give {path!r} the tensor-parallel style {style!r} over {axis!r}, but loss_fn "
+                f"issued no tensor-parallel collective over {axis!r}: the model's modules ran unparallelized on the "
+                f"split pieces, which computes the wrong values without an error. Call "
+                f"fs.tensor_parallel.parallelize(model, rules, mesh) before fs.functionalize(model)"
+            )
+
+
+class CheckedLoss:
+    """`loss_fn`, checked on every call that the model axes its styled placements need
+    (`styled`, set by the step's `init`) saw tensor-parallel collectives (`check_parallelized`);
+    `loss_fn` itself where there are none."""
+
+    def __init__(self, loss_fn: Any):
+        self.loss_fn = loss_fn
+        self.styled: dict[str, tuple[str, str]] = {}
+        functools.update_wrapper(self, loss_fn, updated=())
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.styled:
+            return self.loss_fn(*args, **kwargs)
+        with _tracing.recording_model_axes() as seen:
+            out = self.loss_fn(*args, **kwargs)
+        check_parallelized(self.styled, seen, "loss_fn")
+        return out
 
 
 def resolve_placements(params: Any, rules: Any, mesh: BaseMesh) -> tuple | None:

@@ -17,7 +17,7 @@ from . import _canonical, _nonfinite, _random, _reference
 from ._jit import Jit, agree
 from ._layout import Layout, make_layout
 from ._mesh import BaseMesh, MeshError, PeerError
-from ._placed import check_same_layout, place, resolve_placements, split_leaves
+from ._placed import CheckedLoss, check_same_layout, place, resolve_placements, split_leaves, styled_axes
 from ._state import StepState, _StepKey, check_not_donated  # noqa: F401 - re-exported (checkpoint, export)
 from ._checks import (
     batch_facts, broadcast_from_rank0, check_leaves, check_same_values, optimizer_facts, refused_batch, scalar_facts,
@@ -112,8 +112,9 @@ class ShardedStep:
         self.placements = placements
         self.canonical = canonical
         input_dtype = precision.input_dtype() if precision is not None else None
+        self._loss = CheckedLoss(loss_fn)  # a model split by styled rules must have been parallelized
         self._fn = StepFunction(
-            loss_fn, mesh, optimizer, has_aux, donate, microbatches,
+            self._loss, mesh, optimizer, has_aux, donate, microbatches,
             "full" if canonical is not None else schedule.accumulate, loss_scale, input_dtype, canonical,
             not schedule.reshard_after_update, schedule.offload,
         )  # fmt: skip
@@ -173,6 +174,7 @@ class ShardedStep:
         error = None
         try:
             placements = resolve_placements(params, self.placements, self.mesh)
+            self._loss.styled = styled_axes(params, self.placements, self.mesh)
             full_layout, leaves = make_layout(
                 params, self.mesh.num_shards, units=self.units, precision=self.precision, blocks=self._blocks
             )
@@ -226,6 +228,7 @@ class ShardedStep:
                 `torch.device("meta")`, then `fs.functionalize`); only shapes and dtypes are read.
         """
         placements = resolve_placements(params, self.placements, self.mesh)
+        self._loss.styled = styled_axes(params, self.placements, self.mesh)
         layout, leaves = place(params, placements, self.mesh, units=self.units, precision=self.precision, blocks=self._blocks)
         shards = [torch.empty(spec.shard_numel, dtype=spec.dtype, device="meta") for spec in layout.buffers]
         local = [torch.empty(leaves[i].shape, dtype=leaves[i].dtype, device="meta") for i in layout.local]

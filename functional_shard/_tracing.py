@@ -22,7 +22,8 @@ import torch.compiler
 
 __all__ = [
     "Issued", "Guard", "recording", "moving", "phase", "microbatch", "record", "guard", "graph_semantics",
-    "random_stream", "random_base", "adjoint_ops", "adjoint_ops_enabled", "carried", "carry_into_backward",
+    "random_stream", "random_base", "adjoint_ops", "adjoint_ops_enabled", "recording_model_axes", "note_model_axis",
+    "carried", "carry_into_backward",
 ]
 
 
@@ -50,6 +51,7 @@ _PHASE: contextvars.ContextVar[str] = contextvars.ContextVar("functional_shard_p
 _MICROBATCH: contextvars.ContextVar[int | None] = contextvars.ContextVar("functional_shard_microbatch", default=None)
 _RANDOM_BASE: contextvars.ContextVar[int | None] = contextvars.ContextVar("functional_shard_random_base", default=None)
 _ADJOINT_OPS: contextvars.ContextVar[bool] = contextvars.ContextVar("functional_shard_adjoint_ops", default=False)
+_MODEL_AXES: contextvars.ContextVar[set | None] = contextvars.ContextVar("functional_shard_model_axes", default=None)
 
 
 @contextlib.contextmanager
@@ -130,6 +132,25 @@ def adjoint_ops() -> Iterator[None]:
 
 def adjoint_ops_enabled() -> bool:
     return _ADJOINT_OPS.get()
+
+
+@contextlib.contextmanager
+def recording_model_axes() -> Iterator[set]:
+    """Inside the block, the mesh axes `fs.tensor_parallel`'s collectives are asked to work over
+    are added to the set it yields (`note_model_axis`): what a step reads to tell a model whose
+    modules were never parallelized from one that was."""
+    seen: set = set()
+    token = _MODEL_AXES.set(seen)
+    try:
+        yield seen
+    finally:
+        _MODEL_AXES.reset(token)
+
+
+def note_model_axis(axis: str) -> None:
+    seen = _MODEL_AXES.get()
+    if seen is not None:
+        seen.add(axis)
 
 
 def random_base() -> int | None:

@@ -120,6 +120,9 @@ def _llama_both(world_mesh) -> bool:
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
+# With -m slow (suite time, ~15 s): the mechanism (recomputed units, kept collectives' outputs,
+# dropout, I and W) is covered by test_unit_remat_keeps_the_bits_and_holds_less.
+@pytest.mark.slow
 def test_unit_remat_on_a_tensor_parallel_llama_keeps_the_bits(local_world):
     pytest.importorskip("transformers")
     assert all(local_world(4).run(_llama_both))

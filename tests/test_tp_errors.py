@@ -346,3 +346,29 @@ def test_plans_that_differ_across_ranks_are_named_on_every_rank(local_world):
         assert "placements=" in message and seconds < 10
     # The world goes on: the same plan everywhere initializes.
     assert [r[0] for r in gloo_world.run(init_with_rank_plan, {})] == [None] * 4
+
+
+def forgot_parallelize(mesh):
+    """A tiny Llama whose rules are passed to the step but whose modules were never parallelized:
+    the step refuses it on the first call instead of training the unsummed pieces."""
+    model = tiny_llama()
+    rules = fs.tensor_parallel.hf_rules(model)
+    apply_fn, params = fs.functionalize(model)  # no fs.tensor_parallel.parallelize(model, rules, mesh)
+    step = fs.sharded_step(lambda p, ids: apply_fn(p, input_ids=ids).logits.float().mean(), mesh,
+                           optimizer=fs.optim.sgd(0.1), placements=rules, schedule=fs.Schedule(trace=False))  # fmt: skip
+    state = step.init(params, values="trust")  # (thread ranks draw different initial weights)
+    try:
+        step(state, torch.zeros(2, 8, dtype=torch.long))
+    except Exception as error:  # noqa: BLE001
+        return type(error).__name__, str(error)
+    return None
+
+
+def test_styled_rules_on_a_model_never_parallelized_are_refused():
+    pytest.importorskip("transformers")
+    for result in simulated({"tp": 2}).run(forgot_parallelize):
+        assert result is not None, "the step trained an unparallelized model on split pieces"
+        name, message = result
+        assert name == "PlacementError", (name, message)
+        for part in ("'colwise' over 'tp'", "no tensor-parallel collective", "fs.tensor_parallel.parallelize(model, rules, mesh)"):
+            assert part in message, (part, message)

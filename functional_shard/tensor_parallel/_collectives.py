@@ -34,7 +34,7 @@ import torch
 
 from .._mesh import BaseMesh
 from ._placement import Placement, Replicated, join_pieces
-from .._tracing import adjoint_ops_enabled, carried
+from .._tracing import adjoint_ops_enabled, carried, note_model_axis
 from ._adjoint_ops import issue
 
 __all__ = [
@@ -58,6 +58,7 @@ def axis_size(mesh: BaseMesh, axis: str) -> int:
     """The size of `axis` on `mesh`; a clear error if the mesh has no such axis."""
     if axis not in mesh.axis_names:
         raise ValueError(f"the mesh {mesh.shape} has no axis {axis!r}: name one of {list(mesh.axis_names)}")
+    note_model_axis(axis)
     return mesh.shape[axis]
 
 
