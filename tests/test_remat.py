@@ -282,9 +282,9 @@ def microbatch_feature(mesh, label: str) -> dict:
     state, metrics, step = run_steps(mesh, name, fs.Schedule(accumulate=accumulate, remat=True), 2, **options)
     # Every unit but the one that computes the loss, in the order the backward reaches them: the
     # tied GPT's loss is computed by `input` (the head is the token embedding), so its `output`
-    # (final norm) is recomputed; the CNN's loss by `output` (the head); the frozen GPT's
-    # final norm and head sit in `after.blocks.0` (frozen leaves are listed after the trainable).
-    per_microbatch = {"cnn": ["blocks.2", "blocks.1", "blocks.0", "input"], "gpt_frozen": ["after.blocks.0", "blocks.1", "blocks.0"]}
+    # (final norm) is recomputed; the CNN's loss by `output` (the head). The frozen GPT's units
+    # are the others' (frozen leaves keep their place in the order of use, `ModuleParams.order`).
+    per_microbatch = {"cnn": ["blocks.2", "blocks.1", "blocks.0", "input"]}
     units = per_microbatch.get(name, ["output", "blocks.1", "blocks.0"])
     return {
         "problems": bit_problems(label, state, metrics, fs.tree_leaves(reference), reference_metrics),
