@@ -24,6 +24,11 @@ from _report import DOCS_BEGIN, DOCS_END, write_docs  # noqa: E402
 WORLD_SIZE = 2
 STEPS = 5
 
+# The harness is a benchmark (~31 s for its one run): with -m slow, as the other benchmarks'
+# runs are. The step's bytes and its equality to single-process training are the default
+# suite's (tests/test_jit.py, tests/test_training.py); these check the harness that reports them.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory) -> Path:
