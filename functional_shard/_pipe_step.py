@@ -278,8 +278,9 @@ class PipelineStep(StageFigures):
         sharded = state.params
         operation = "step.evaluate" if forward_only else "a training step"
         error, micro = None, None
+        count = self._eval_count(batch) if forward_only else self.microbatches
         try:
-            micro = self._micro(batch)
+            micro = split_microbatches(batch, count, self._input_dtype)
         except StepError as e:
             error = e
         self._together(operation, error, "refused their batch")
@@ -287,7 +288,7 @@ class PipelineStep(StageFigures):
         cut = self._cut(micro[0])
         flat = [tree_flatten(m)[0] for m in micro]
         local = {i: sharded.local[k] for k, i in enumerate(_local_full(self._leaf_index, sharded.layout))}
-        schedule = self.eval_schedule if forward_only else self.schedule
+        schedule = self._eval_schedule(count) if forward_only else self.schedule
         seed = state.loss_scale.scale if state.loss_scale is not None and not forward_only else None
         with self._random_stream(state), torch.set_grad_enabled(not forward_only):
             result = run_actions(schedule, schedule.actions[self.pp_rank], cut, sharded.layout, sharded.shards, local,
@@ -360,15 +361,39 @@ class PipelineStep(StageFigures):
         order), every stage gathered once. Returns `loss` (mean over data ranks) and `local_loss`."""
         self._check_state(state, "step.evaluate(state, batch)")
         cut, result = self._run(state, batch, forward_only=True)
+        count = self._eval_count(batch)
         with torch.no_grad():
-            mean = self._mean(cut, result)[0].reshape(())
-        return self._aux({"loss": mean, "local_loss": mean}, cut, result)
+            mean = mean_of(cut, result, self.mesh, count, self.canonical)[0].reshape(())
+        return self._aux({"loss": mean, "local_loss": mean}, cut, result, count)
 
-    def _aux(self, metrics: dict, cut: Cut, result) -> dict:
+    def _eval_count(self, batch: Any) -> int:
+        """The micro-batches an evaluation cuts `batch` into: the step's, or, for a batch they do
+        not divide (a short last batch), the most, up to the step's, that cut its rows into equal
+        parts (the loss is the mean over equal micro-batches, as over the whole batch)."""
+        if self.canonical is not None:
+            return self.microbatches
+        rows = {t.shape[0] for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor) and t.dim() > 0}
+        if len(rows) != 1 or next(iter(rows)) == 0:
+            return self.microbatches  # split_microbatches says what is wrong
+        (n,) = rows
+        return max(d for d in range(1, self.microbatches + 1) if n % d == 0)
+
+    def _eval_schedule(self, count: int) -> PipelineSchedule:
+        """The forward actions for `count` micro-batches: the step's (GPipe's order) for its own
+        count, else each rank's stages in order, each over the micro-batches in order."""
+        if count == self.microbatches:
+            return self.eval_schedule
+        rows = tuple(tuple(Action.parse(f"{s}F{m}") for s in sorted(self.schedule.stages_of(r)) for m in range(count))
+                     for r in range(self.num_ranks))  # fmt: skip
+        forward = PipelineSchedule(rows, count, self.schedule.stages_per_rank, self.schedule.placement,
+                                   name=f"{self.schedule.name} (forward, {count} micro-batches)")  # fmt: skip
+        return with_communication(forward, fsdp=True, reduce_grad=False)
+
+    def _aux(self, metrics: dict, cut: Cut, result, count: int | None = None) -> dict:
         """`metrics` with `aux` (has_aux=True) on every pipeline rank (`_pipe_aux`). A collective."""
         if self.has_aux:
             last = self.schedule.rank_of(self.num_stages - 1)
-            metrics["aux"] = aux_of(cut, result.losses, self.mesh, last, self.microbatches)
+            metrics["aux"] = aux_of(cut, result.losses, self.mesh, last, self.microbatches if count is None else count)
         return metrics
 
     def profile(self, state: StepState, batch: Any) -> "PipelineProfile":

@@ -290,3 +290,30 @@ def test_a_stage_that_raises_fails_its_peer_within_the_collective_timeout():
         first, second = world.run(_first_stage_raises)
     assert first.startswith("IndexError"), first
     assert "Timed out" in second and float(second.rsplit(" after ", 1)[1].split()[0]) < 20, second
+
+
+# --- evaluation of a batch the micro-batches do not divide ----------------------------------------
+
+
+def _evaluate_short_batches(mesh) -> list[float]:
+    torch.set_num_threads(1)
+    apply_fn, params = gpt()
+    step = fs.sharded_step(gpt_loss(apply_fn), mesh, optimizer=fs.optim.adamw(1e-3), microbatches=4,
+                           pipeline=fs.pipeline.Pipeline("zbv", stages_per_rank=2))  # fmt: skip
+    state = step.init(params)
+    return [float(step.evaluate(state, batch(rows))["loss"]) for rows in (8, 6, 2, 3)]
+
+
+def test_evaluate_takes_a_batch_the_micro_batches_do_not_divide():
+    """`microbatches=4`, ZB-V at pp 2: `step.evaluate` on 6, 2 or 3 rows (a short last batch) cuts
+    them into the most equal micro-batches up to 4 (3, 2, 3) and returns the single-process loss,
+    as the plain step's evaluate does; 8 rows as before."""
+    apply_fn, params = gpt()
+    expected = []
+    with torch.no_grad():
+        for rows in (8, 6, 2, 3):
+            ids, targets = batch(rows)
+            expected.append(float(gpt_loss(apply_fn)(params, (ids, targets))))
+    with fs.testing.LocalWorld(2, axes={"pp": 2}) as world:
+        for got in world.run(_evaluate_short_batches):
+            assert all(abs(g - e) <= 1e-6 * abs(e) for g, e in zip(got, expected)), (got, expected)
