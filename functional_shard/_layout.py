@@ -262,8 +262,7 @@ def make_layout(
             )
     local = [i for i, role in enumerate(roles) if role == BUFFER]
     sharded = [i for i, role in enumerate(roles) if role != BUFFER]
-    used = used_order(tree)  # the unit policy sees the leaves in the order of use
-    in_use = sorted(sharded, key=lambda i: used[i])
+    in_use = [i for i in leaves_in_use(tree) if roles[i] != BUFFER]  # the unit policy sees them in the order of use
     try:
         unit_of = dict(zip(in_use, assign_units(units, [paths[i] for i in in_use])))
     except ValueError as error:
@@ -369,12 +368,13 @@ def _batch_norm_leaves(tree: Any) -> list[bool]:
     return tree_flatten(flag_tree)[0]
 
 
-def used_order(tree: Any) -> list[int]:
-    """Per leaf of `tree` (flatten order), a key that sorts the leaves in their order of use: a
-    `ModuleParams` at the root orders its leaves by its `order` (the module's registration
-    order, which `fs.functionalize` records); any other tree, the flatten order."""
+def leaves_in_use(tree: Any) -> list[int]:
+    """The indices (flatten order) of `tree`'s leaves in their order of use: a `ModuleParams` at
+    the root orders its leaves by its `order` (the module's registration order, which
+    `fs.functionalize` records); any other tree, the flatten order."""
     if isinstance(tree, ModuleParams):
-        return tree.used_order()
+        used = tree.used_order()
+        return sorted(range(len(used)), key=used.__getitem__)
     return list(range(len(tree_flatten(tree)[0])))
 
 

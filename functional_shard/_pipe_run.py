@@ -32,7 +32,6 @@ values, moved earlier.
 from __future__ import annotations
 
 import datetime
-
 import functools
 import time
 from typing import Any, NamedTuple

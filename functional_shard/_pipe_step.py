@@ -25,7 +25,7 @@ import torch
 from . import _canonical, _nonfinite, _random
 from ._checks import check_leaves, check_same_values
 from ._jit import agree
-from ._layout import make_layout, used_order
+from ._layout import leaves_in_use, make_layout
 from ._mesh import BaseMesh, Mesh, MeshError, PeerError
 from ._pipe_aux import aux_of
 from ._pipe_figures import StageFigures
@@ -142,9 +142,8 @@ class PipelineStep(StageFigures):
             check_leaves(full_layout, leaves, self.mesh, meta_ok=initialize is not None or self.mesh.abstract)
             paths, roles = full_layout.paths, full_layout.roles
             unit_names = {paths[i]: spec.unit for spec in full_layout.buffers for i in spec.leaves}
-            used = used_order(params)  # units in the order of use (a frozen embedding still first)
-            order = list(dict.fromkeys(unit_names[paths[i]] for i in sorted(range(len(paths)), key=lambda i: used[i])
-                                       if roles[i] != BUFFER))  # fmt: skip
+            # units in the order of use (a frozen embedding still first)
+            order = list(dict.fromkeys(unit_names[paths[i]] for i in leaves_in_use(params) if roles[i] != BUFFER))
             stage_of_unit = assign_stages(order, self.num_stages, self.pipeline.stages)
             mine = set(self.schedule.stages_of(self.pp_rank))
             parts: dict[str, dict] = {TRAINABLE: {}, FROZEN: {}, BUFFER: {}}
@@ -165,7 +164,7 @@ class PipelineStep(StageFigures):
             # Placements are resolved on the whole tree (a rule may name another stage's leaves), then read per leaf.
             meta = tree_map(lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta"), params)
             every = resolve_placements(meta, self.placements, self.mesh)
-            self.loss_fn.styled = styled_axes(meta, self.placements, self.mesh)
+            self.loss_fn.styled = styled_axes(meta, self.placements, every)
             by_path = dict(zip(paths, every)) if every is not None else {}
             placements = tuple(by_path.get(p) for p in tree_paths(sub)) if every is not None else None
             with torch.no_grad():
@@ -272,13 +271,14 @@ class PipelineStep(StageFigures):
             self._cuts[signature] = cut
         return cut
 
-    def _run(self, state: StepState, batch: Any, recorder: Recorder | None = None, forward_only: bool = False):
+    def _run(self, state: StepState, batch: Any, recorder: Recorder | None = None, forward_only: bool = False,
+             count: int | None = None):  # fmt: skip
         """This rank's actions on `batch` (the step's schedule, or with `forward_only` its forward
-        actions in GPipe's order, no autograd graph): (cut, RunResult)."""
+        actions in GPipe's order over `count` micro-batches, no autograd graph): (cut, RunResult)."""
         sharded = state.params
         operation = "step.evaluate" if forward_only else "a training step"
         error, micro = None, None
-        count = self._eval_count(batch) if forward_only else self.microbatches
+        count = self.microbatches if count is None else count
         try:
             micro = split_microbatches(batch, count, self._input_dtype)
         except StepError as e:
@@ -331,9 +331,10 @@ class PipelineStep(StageFigures):
         out = sharded.replace(shards=shards, local=[torch.zeros_like(t) for t in sharded.local])
         return out, self._aux({"loss": mean_loss, "local_loss": loss}, cut, result)
 
-    def _mean(self, cut: Cut, result, loss_scale=None):
-        """(mean loss over everything, this rank's loss, mean gradient shards by buffer name): `_pipe_mean`."""
-        return mean_of(cut, result, self.mesh, self.microbatches, self.canonical, loss_scale)
+    def _mean(self, cut: Cut, result, loss_scale=None, count: int | None = None):
+        """(mean loss over everything, this rank's loss, mean gradient shards by buffer name) over
+        `count` micro-batches (default: the step's): `_pipe_mean`."""
+        return mean_of(cut, result, self.mesh, self.microbatches if count is None else count, self.canonical, loss_scale)
 
     def _update(self, cut: Cut, result, sharded: Sharded, state: StepState, scalars) -> StepOutput:
         layout, mesh = sharded.layout, self.mesh
@@ -360,10 +361,10 @@ class PipelineStep(StageFigures):
         """The loss on `batch` without training: the forward actions of the schedule (GPipe's
         order), every stage gathered once. Returns `loss` (mean over data ranks) and `local_loss`."""
         self._check_state(state, "step.evaluate(state, batch)")
-        cut, result = self._run(state, batch, forward_only=True)
         count = self._eval_count(batch)
+        cut, result = self._run(state, batch, forward_only=True, count=count)
         with torch.no_grad():
-            mean = mean_of(cut, result, self.mesh, count, self.canonical)[0].reshape(())
+            mean = self._mean(cut, result, count=count)[0].reshape(())
         return self._aux({"loss": mean, "local_loss": mean}, cut, result, count)
 
     def _eval_count(self, batch: Any) -> int:

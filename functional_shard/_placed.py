@@ -39,18 +39,17 @@ from .tensor_parallel._placement import PlacementError, Split, placements_for, s
 __all__ = ["resolve_placements", "place", "split_leaves", "check_same_layout", "layout_groups", "layouts_say", "gather_texts"]
 
 
-def styled_axes(params: Any, rules: Any, mesh: BaseMesh) -> dict[str, tuple[str, str]]:
-    """Model axis -> (the first leaf, its style) of the leaves `rules` split over an axis of more
-    than one rank with a style that changes their module's forward (`colwise`, `rowwise`,
-    `embedding_rowwise`, ...): a step over such leaves must issue tensor-parallel collectives
-    over that axis (`check_parallelized`)."""
+def styled_axes(params: Any, rules: Any, placements: tuple | None) -> dict[str, tuple[str, str]]:
+    """Model axis -> (the first leaf, its style) of the leaves `rules` split (`placements`:
+    `resolve_placements`'s) with a style that changes their module's forward (`colwise`,
+    `rowwise`, `embedding_rowwise`, ...): a step over such leaves must issue tensor-parallel
+    collectives over that axis (`check_parallelized`)."""
     from .tensor_parallel._modules import _NO_FORWARD, _style_of
     from .tensor_parallel._placement import _as_rules
 
-    if rules is None:
+    if rules is None or placements is None:
         return {}
     rules = _as_rules(rules)
-    placements = resolve_placements(params, rules, mesh) or ()
     out: dict[str, tuple[str, str]] = {}
     for path, leaf, placement in zip(tree_paths(params), tree_flatten(params)[0], placements):
         if placement is None or placement.axis in out:

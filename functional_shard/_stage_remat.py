@@ -91,7 +91,11 @@ class StageRemat:
                         last_read[i] = n
             for value, reader in last_read.items():
                 self._dead.setdefault(reader, []).append(value)
-        self.sources = frozenset(i for n in recompute for i in n.all_input_nodes if i not in self.recomputed)
+        # per unit, the values its recomputation reads from outside it (what a forward keeps for it)
+        self._sources_of: dict[int, frozenset] = {
+            u: frozenset(i for n in ns for i in n.all_input_nodes if i not in self.recomputed) for u, ns in self._by_unit.items()
+        }  # fmt: skip
+        self.sources = frozenset().union(*self._sources_of.values())
         # when each value of the forward is last read (freed after that node)
         last_use: dict[fx.Node, fx.Node] = {}
         for n in nodes:
@@ -233,8 +237,7 @@ class _Instance:
 
     def forward_done(self) -> None:
         self.made.clear()  # no more packs: nothing to match
-        units = {self.remat._unit[n] for n in self.handles}
-        needed = {i for u in units for n in self.remat._by_unit[u] for i in n.all_input_nodes if i not in self.remat.recomputed}
+        needed = frozenset().union(*(self.remat._sources_of[u] for u in {self.remat._unit[n] for n in self.handles}))
         self.sources = {n: v for n, v in self.sources.items() if n in needed}  # what no recomputation reads goes
 
     def _source(self, n: fx.Node) -> Any:

@@ -174,7 +174,7 @@ class ShardedStep:
         error = None
         try:
             placements = resolve_placements(params, self.placements, self.mesh)
-            self._loss.styled = styled_axes(params, self.placements, self.mesh)
+            self._loss.styled = styled_axes(params, self.placements, placements)
             full_layout, leaves = make_layout(
                 params, self.mesh.num_shards, units=self.units, precision=self.precision, blocks=self._blocks
             )
@@ -228,7 +228,7 @@ class ShardedStep:
                 `torch.device("meta")`, then `fs.functionalize`); only shapes and dtypes are read.
         """
         placements = resolve_placements(params, self.placements, self.mesh)
-        self._loss.styled = styled_axes(params, self.placements, self.mesh)
+        self._loss.styled = styled_axes(params, self.placements, placements)
         layout, leaves = place(params, placements, self.mesh, units=self.units, precision=self.precision, blocks=self._blocks)
         shards = [torch.empty(spec.shard_numel, dtype=spec.dtype, device="meta") for spec in layout.buffers]
         local = [torch.empty(leaves[i].shape, dtype=leaves[i].dtype, device="meta") for i in layout.local]
