@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 import functional_shard as fs
+from _meshes import mesh_of
 from functional_shard.models import GPT, GPTConfig
 from functional_shard.pipeline import PipelineSchedule, ScheduleError
 
@@ -116,20 +117,9 @@ def make_step(mesh, *, schedule="1f1b", microbatches=2, trace=True, n_layer=4, l
     return step, params
 
 
-_MESHES: dict = {}  # in a rank process: one mesh per axes, made on the world's group once
-
-
-def pp_mesh(mesh, axes):
-    if dict(mesh.shape) == axes:
-        return mesh
-    if tuple(axes.items()) not in _MESHES:
-        _MESHES[tuple(axes.items())] = fs.init_mesh(axes)
-    return _MESHES[tuple(axes.items())]
-
-
 def make_alone(mesh, axes, **kw):
     """Rank 0 alone makes the step (the others do nothing): a collective would not complete."""
-    mesh = pp_mesh(mesh, axes)
+    mesh = mesh_of(mesh, axes)
     if mesh.rank != 0:
         return None
     return outcome(lambda: make_step(mesh, **kw))
@@ -137,7 +127,7 @@ def make_alone(mesh, axes, **kw):
 
 def train_one(mesh, rows_by_rank=(8, 8), microbatches: int = 4, n_layer: int = 4, schedule="1f1b", loss=gpt_loss):
     """Every rank makes the step, inits and trains one step on its batch; returns its outcome."""
-    mesh = pp_mesh(mesh, PP2)
+    mesh = mesh_of(mesh, PP2)
 
     def run():
         step, params = make_step(mesh, schedule=schedule, microbatches=microbatches, n_layer=n_layer, loss=loss)

@@ -19,21 +19,10 @@ import torch
 import torch.nn.functional as F
 
 import functional_shard as fs
+from _meshes import mesh_of
 import functional_shard.tensor_parallel as tp
 from functional_shard.models import GPT, GPTConfig
 from functional_shard.schedule import RematPolicy
-
-_MESHES: dict = {}  # in a rank process: one mesh per axes
-
-
-def _mesh(world_mesh, axes: dict):
-    if dict(world_mesh.shape) == axes:
-        return world_mesh
-    key = tuple(axes.items())
-    if key not in _MESHES:
-        _MESHES[key] = fs.init_mesh(axes)
-    return _MESHES[key]
-
 
 POLICIES = {"dots": RematPolicy(), "nothing": RematPolicy(save=()), "every_other_mm": RematPolicy(every_other_mm=True)}
 
@@ -68,7 +57,7 @@ def _gpt_run(mesh, schedule: str, remat) -> dict:
 
 
 def _gpt_all(world_mesh) -> dict:
-    mesh = _mesh(world_mesh, {"pp": 2})
+    mesh = mesh_of(world_mesh, {"pp": 2})
     return {(schedule, name): _gpt_run(mesh, schedule, remat)
             for schedule in ("1f1b", "zbv") for name, remat in [("none", False), *POLICIES.items()]}  # fmt: skip
 
@@ -115,7 +104,7 @@ def _llama_run(mesh, remat) -> list[torch.Tensor]:
 
 
 def _llama_both(world_mesh) -> bool:
-    mesh = _mesh(world_mesh, {"pp": 2, "tp": 2})
+    mesh = mesh_of(world_mesh, {"pp": 2, "tp": 2})
     a, b = _llama_run(mesh, False), _llama_run(mesh, POLICIES["every_other_mm"])
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 

@@ -75,6 +75,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import functional_shard as fs
+from _meshes import mesh_of
 import functional_shard.tensor_parallel as tp
 from functional_shard.models import GPT, GPTConfig
 from test_pipeline_checkpoint import held  # this rank's parameters and AdamW moments, gathered whole, by name
@@ -289,18 +290,6 @@ def torch_tensor_parallel(_, model: str, n_layers: int, m: int) -> dict[str, tor
 
 
 # --- what the ranks run -------------------------------------------------------------------------
-
-_MESHES: dict[tuple, fs.Mesh] = {}  # in a rank process: one mesh per axes, made on the world's group once
-
-
-def mesh_of(world_mesh, axes: dict[str, int]):
-    if dict(world_mesh.shape) == axes:
-        return world_mesh
-    key = tuple(axes.items())
-    if key not in _MESHES:
-        _MESHES[key] = fs.init_mesh(axes)
-    return _MESHES[key]
-
 
 def pipelined(world_mesh, axes, model: str, schedule: str, eager: bool = True, precision=None, sequence_parallel=False) -> dict:
     """5 AdamW steps of the pipelined step, traced (and eager when `eager`) on this rank's rows;

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import functional_shard as fs
+from _meshes import mesh_of
 import functional_shard.tensor_parallel as tp
 from functional_shard.tensor_parallel import Replicated, Split
 
@@ -88,7 +89,7 @@ def _qwen_loss(logits, ids):
 
 def _first_grads(mesh) -> dict:
     torch.set_num_threads(1)
-    mesh = fs.init_mesh({"tp": 2}) if dict(mesh.shape) != {"tp": 2} else mesh
+    mesh = mesh_of(mesh, {"tp": 2})
     out = {}
     for norm in (True, False):
         model = tp.parallelize(_net(norm), RULES, mesh)
