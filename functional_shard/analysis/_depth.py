@@ -43,6 +43,8 @@ class Figures(NamedTuple):
     first_gathered: float  # ... of those, the first unit's (the embedding: a pipeline's first stage holds it)
     transient: float  # the most activation bytes alive at once beyond those kept for the backward
     block_transient: float  # ... while a block (neither the first unit nor the last) runs its backward
+    new_state: float  # the parameters and optimizer state the update allocates (all but those it writes in place)
+    update_working: float  # the most update temporaries alive at once
     flops: float
 
     def line(self, other: "Figures", d1: int, d2: int) -> tuple["Figures", "Figures"]:
@@ -157,22 +159,24 @@ def _read(compiled, machine: Machine) -> Figures:
     held = [c for c in schedule_lib.parameter_collectives(gm)  # FSDP's: the forward's gathers and the reductions
             if (c.kind == "all_gather" and c.phase == "forward") or c.kind == "reduce_scatter"]  # fmt: skip
     first_unit = next((c.unit for c in held if c.kind == "all_gather"), None)
-    saved, transient, block_transient = _activations(compiled)
+    saved, transient, block_transient, new_state, update_working = _activations(compiled)
     return Figures(
         sim.step_s, sim.exposed_s, sim.phases["forward"] + tp_waits["forward"], sim.phases["backward"] + tp_waits["backward"],
         fsdp, sim.phases.get("update", 0.0),
         float(sim.memory.peak), float(sim.memory.resident), float(saved), float(sum(c.nbytes for c in held)),
         float(sum(c.nbytes for c in held if c.kind == "reduce_scatter")),
         float(sum(c.nbytes for c in held if c.unit == first_unit)), float(transient), float(block_transient),
+        float(new_state), float(update_working),
         float(sum(node_cost(n).flops for n in gm.graph.nodes if n.op == "call_function")),
     )  # fmt: skip
 
 
-def _activations(compiled) -> tuple[int, int, int]:
+def _activations(compiled) -> tuple[int, int, int, int, int]:
     """(bytes of activations alive at the end of the forward: what the forward keeps for the
     backward, and what each micro-batch in flight holds under a pipeline; the most bytes of other
     activations and update temporaries alive at once: the working set on top; the same while a
-    block, not the first or last unit, runs its backward)."""
+    block, not the first or last unit, runs its backward; bytes of the new parameters and
+    optimizer state the update allocates; the most update temporaries alive at once)."""
     from .. import schedule as schedule_lib
     from ..schedule._liveness import lifetimes
     from ._memory import _categories
@@ -182,19 +186,29 @@ def _activations(compiled) -> tuple[int, int, int]:
     nodes = list(gm.graph.nodes)
     end = nodes.index(schedule_lib.forward_end(gm))
     storage_of, first, last, size, root = lifetimes(nodes)
-    category = _categories(nodes, storage_of, root, node_roles(gm), compiled.io)
+    roles = node_roles(gm)
+    category = _categories(nodes, storage_of, root, roles, compiled.io)
     working = [k for k in first if category[k] in ("activations", "update_temporaries")]
     saved = [k for k in working if category[k] == "activations" and first[k] <= end < last[k]]
-    delta = [0] * (len(nodes) + 1)
-    for k in set(working) - set(saved):
+    curve = _alive(len(nodes), set(working) - set(saved), first, last, size)
+    regions = roles.regions
+    order = [r.unit for r in sorted((r for r in regions if r.phase == "forward"), key=lambda r: r.start)]
+    ends = {order[0], order[-1]} if order else set()
+    blocks = [max(curve[r.start : r.end + 1], default=0) for r in regions if r.phase == "backward" and r.unit not in ends]
+    new_state = sum(size[k] for k in first if category[k] in ("parameters", "optimizer_state") and root[k].op != "placeholder")
+    temporaries = _alive(len(nodes), [k for k in first if category[k] == "update_temporaries"], first, last, size)
+    update = max((temporaries[i] for i, n in enumerate(nodes) if roles.phase.get(n) == "update"), default=0)
+    return sum(size[k] for k in saved), max(curve, default=0), max(blocks, default=0), new_state, update
+
+
+def _alive(count: int, keys, first: dict, last: dict, size: dict) -> list[int]:
+    """Bytes of the storages `keys` alive while each of `count` nodes runs."""
+    delta = [0] * (count + 1)
+    for k in keys:
         delta[first[k]] += size[k]
         delta[last[k] + 1] -= size[k]
     alive, curve = 0, []
     for d in delta[:-1]:
         alive += d
         curve.append(alive)
-    regions = node_roles(gm).regions
-    order = [r.unit for r in sorted((r for r in regions if r.phase == "forward"), key=lambda r: r.start)]
-    ends = {order[0], order[-1]} if order else set()
-    blocks = [max(curve[r.start : r.end + 1], default=0) for r in regions if r.phase == "backward" and r.unit not in ends]
-    return sum(size[k] for k in saved), max(curve, default=0), max(blocks, default=0)
+    return curve

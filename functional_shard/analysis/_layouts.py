@@ -329,7 +329,12 @@ def _piped(tracer: Tracer, axes, dims, p, name, v, m, mb_rows, label, remat, lay
         parameters = (k * (slope.gathered - slope.reduced) + share * (intercept.gathered - intercept.reduced)) if copies else 0.0
         # the working set on top: the loss's on the last stage (the traced step's most), a block's elsewhere
         working = intercept.transient + slope.transient if has_last else intercept.block_transient + slope.block_transient
-        peaks.append(state + parameters + walked[rank] + working)
+        # The update, after the last backward (every activation freed): the state, the new state it
+        # allocates, every mean gradient shard at once, and one unit's update temporaries.
+        new_state = p * (k * slope.new_state + share * intercept.new_state)
+        gradients = (k * slope.reduced + share * intercept.reduced) / (f // p)
+        update_peak = state + new_state + gradients + p * (slope.update_working + intercept.update_working)
+        peaks.append(max(state + parameters + walked[rank] + working, update_peak))
         flops += m * (k * slope.flops + (intercept.flops if has_last else 0.0))
     # Ranks sharing compute units (CPU processes on fewer cores): an idle rank's share goes to the busy
     # ones, so the pipeline takes its critical path at a lone rank's speed, or the work of all its
