@@ -21,6 +21,7 @@ import pickle
 import shutil
 import signal
 import threading
+import zlib
 
 import pytest
 import torch
@@ -482,8 +483,15 @@ def load_from_another_device(mesh, path: str):
             index = json.load(f)
         assert index["saved_by"]["device"] == "cpu"
         index["saved_by"]["device"] = "cuda"
-        with open(index_path, "w") as f:
-            json.dump(index, f)
+        data = json.dumps(index).encode()
+        with open(index_path, "wb") as f:
+            f.write(data)
+        marker_path = os.path.join(path, checkpoint_files.COMMIT)  # and the index's checksum with it
+        with open(marker_path) as f:
+            marker = json.load(f)
+        marker["index"] = f"{zlib.crc32(data):08x}"
+        with open(marker_path, "w") as f:
+            json.dump(marker, f)
     mesh.all_reduce_flat(torch.zeros(1))  # rank 0 has rewritten it
     template = step.init(params)
     before = rank_tensors(template)

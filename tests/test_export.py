@@ -243,6 +243,7 @@ def load_broken(mesh, path: str):
         ("dtype", r"'blocks\.1\.attn\.qkv\.weight' as float16\[192, 64\].*float32\[192, 64\]"),
         ("extra", r"holds 'extra\.weight', which no leaf"),
         ("tied-missing", r"lacks 'tok_emb\.weight' \(nor under its aliases \['head\.weight'\]\)"),
+        ("tied-differ", r"holds 'tok_emb\.weight' and 'head\.weight' with different values, but this state ties them"),
     ],
 )
 def test_a_file_that_does_not_fit_names_the_first_difference(tmp_path, change, expected):
@@ -257,6 +258,8 @@ def test_a_file_that_does_not_fit_names_the_first_difference(tmp_path, change, e
         tensors[name] = tensors[name].half()
     elif change == "extra":
         tensors["extra.weight"] = torch.zeros(2)
+    elif change == "tied-differ":  # an untied model's file: torch's load_state_dict keeps the last, fs kept the first
+        tensors["head.weight"] = tensors["head.weight"] + 1
     else:
         del tensors["tok_emb.weight"], tensors["head.weight"]
     path = str(tmp_path / "broken.safetensors")

@@ -311,6 +311,27 @@ def test_damaged_rank_file_is_refused_naming_it(local_world, two_saves, tmp_path
         assert any(m is not None and str(target) in m and "written by another save" in m for m in unverified), unverified
 
 
+
+@pytest.mark.parametrize("edit", ["step", "reformatted"])
+def test_an_edited_index_is_refused(local_world, two_saves, tmp_path, edit):
+    """The index is bound to its save too: the marker holds its CRC-32. An edited step count, or
+    a fused weight's chunk order that still tiles it, loaded silently before; now any changed
+    byte is refused, the same values written another way included."""
+    path = tmp_path / "edited"
+    shutil.copytree(two_saves / "step-2", path)
+    index = path / "index.json"
+    text = index.read_text()
+    if edit == "step":
+        edited = text.replace('"step": 2', '"step": 9', 1)
+    else:
+        edited = json.dumps(json.loads(text))
+    assert edited != text
+    index.write_text(edited)
+    with pytest.raises(CheckpointError, match="does not match the index committed with it"):
+        fs.checkpoint.read(path)
+    messages = local_world(2).run(try_load, str(path))
+    assert all(m is not None and "index.json" in m and "changed or damaged" in m for m in messages), messages
+
 # --- 5. a failed commit leaves no partial directory --------------------------------------------
 
 

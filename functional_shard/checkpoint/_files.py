@@ -204,8 +204,8 @@ def parse_json(data: bytes | str, what: str) -> Any:
     return value
 
 
-def _read_json(path: Path, what: str) -> dict:
-    value = parse_json(path.read_bytes(), f"{path} ({what})")
+def _read_json(path: Path, what: str, data: bytes | None = None) -> dict:
+    value = parse_json(path.read_bytes() if data is None else data, f"{path} ({what})")
     if not isinstance(value, dict) or value.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a functional_shard checkpoint {what}")
     return value
@@ -262,7 +262,14 @@ def open_index(path: str | os.PathLike) -> dict:
     missing = _missing(path)
     if missing:
         raise CheckpointError(f"{path} is an incomplete checkpoint (an interrupted save?); it lacks: " + "; ".join(missing))
-    index = _read_json(path / INDEX, "index")
+    data = (path / INDEX).read_bytes()
+    index = _read_json(path / INDEX, "index", data)
+    committed = _read_json(path / COMMIT, "commit marker").get("index")  # absent: saved before it was recorded
+    if committed is not None and f"{zlib.crc32(data):08x}" != committed:
+        raise CheckpointError(
+            f"{path / INDEX} does not match the index committed with it (CRC-32 {zlib.crc32(data):08x}, committed "
+            f"{committed!r:.20}): it was changed or damaged after the save"
+        )
     if index.get("version") not in READ_VERSIONS:
         raise CheckpointError(
             f"{path} has checkpoint format version {index.get('version')!r:.40}; this functional_shard reads versions "

@@ -14,6 +14,7 @@ range's elements are read (at most `2 * ndim + 1` slices per leaf and rank).
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Callable
 
@@ -161,6 +162,20 @@ class _FileSource(LeafSource):
             self.close()
             raise
 
+    def _same(self, a: str, b: str, chunk_bytes: int = 1 << 26) -> bool:
+        """Whether the file's tensors `a` and `b` hold the same values (compared a run of rows at a
+        time: a tied embedding can be large)."""
+        x, y = self.handle.get_slice(a), self.handle.get_slice(b)
+        if x.get_shape() != y.get_shape() or x.get_dtype() != y.get_dtype():
+            return False
+        shape = x.get_shape()
+        if not shape:
+            return torch.equal(self.handle.get_tensor(a), self.handle.get_tensor(b))
+        dtype = _TORCH_DTYPES.get(x.get_dtype())
+        row = max(1, math.prod(shape[1:]) * (dtype.itemsize if dtype is not None else 8))
+        step = max(1, chunk_bytes // row)
+        return all(torch.equal(x[s : s + step], y[s : s + step]) for s in range(0, shape[0], step))
+
     def _match(self) -> dict[int, str]:
         """Leaf -> its tensor's name in the file; raises naming the first leaf that does not fit."""
         layout, where = self.layout, self.spec.path
@@ -194,6 +209,13 @@ class _FileSource(LeafSource):
                     f"{where} holds {name!r} as {got}, but {_describe_full(layout, i)} is {want}: the file was saved "
                     f"from another model or in another dtype (no casts are made)"
                 )
+            for alias in dict.fromkeys(c for c in candidates if c != name and c in in_file):
+                if not self._same(name, alias):
+                    raise CheckpointError(
+                        f"{where} holds {name!r} and {alias!r} with different values, but this state ties them into "
+                        f"one leaf, {_describe_full(layout, i)}: the file was saved from a model that does not tie "
+                        f"them; load it into an untied model, or pass rename= to read both names from one tensor"
+                    )
             found[i] = name
         if self.spec.strict:
             extra = [n for n in self.handle.keys() if n not in used and n not in self.spec.elsewhere]

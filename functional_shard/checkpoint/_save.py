@@ -6,6 +6,7 @@ import json
 import os
 import secrets
 import shutil
+import zlib
 from pathlib import Path
 from typing import Any, Iterator, NamedTuple
 
@@ -111,8 +112,9 @@ def save(path: str | os.PathLike, state: StepState, *, overwrite: bool = False) 
                     f"create; remove it and save again"
                 ) from None
             created = True
-            index = _index(state, slots, str(structure), plan, _save_id(code))
-            _files.write_bytes(tmp / INDEX, _json(index))
+            index = _json(_index(state, slots, str(structure), plan, _save_id(code)))
+            _files.write_bytes(tmp / INDEX, index)
+            index_crc = f"{zlib.crc32(index):08x}"
         except Exception as e:  # noqa: BLE001 (every rank must learn of it)
             if created:
                 shutil.rmtree(_partial(path, code), ignore_errors=True)
@@ -144,6 +146,7 @@ def save(path: str | os.PathLike, state: StepState, *, overwrite: bool = False) 
                 "save": _save_id(code),
                 "files": {rank_file(r): sizes[r] for r in ranks},
                 "headers": {rank_file(r): f"{headers[r]:08x}" for r in ranks},
+                "index": index_crc,  # the index's CRC-32: a changed step, split or chunk place is refused
             }
             _files.commit(tmp, path, marker, overwrite, f"{code:016x}", _version(plan.entries))
             committed = 1
