@@ -45,6 +45,7 @@ from ._state import StepState, _StepKey, check_not_donated
 from ._tree import BUFFER, FROZEN, TRAINABLE, ModuleParams
 from .optim import LeafLayout, global_norm
 from .pipeline import Action, Pipeline, PipelineSchedule, ScheduleError, build_schedule, check, with_communication
+from .pipeline._runnable import check_runnable
 from .pipeline import explain as pipeline_explain
 from .pipeline._actions import ActionKind
 from .pipeline._peaks import stage_peak_bytes
@@ -113,6 +114,7 @@ class PipelineStep(StageFigures):
             _check_compile(base, trace, self.canonical)
         if not self.check.backward:
             raise ScheduleError(f"the pipeline schedule {base.name!r} has no backward actions: a training step needs them")
+        check_runnable(lowered, training=True)
         self.schedule: PipelineSchedule = lowered
         self.num_stages = lowered.num_stages
         forward = PipelineSchedule(tuple(tuple(a for a in row if a.kind.value == "F") for row in base.compute_only().actions),

@@ -88,6 +88,17 @@ SCHEDULES = {
         "0UNSHARD 0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0B1 0REDUCE_GRAD 0RESHARD",
         "1UNSHARD 1RECV_F0 1F0 1B0 1SEND_B0 1RECV_F1 1F1 1B1 1SEND_B1 1REDUCE_GRAD 1RESHARD",
     ),
+    # What `check` proves consistent but fs's runner cannot run (`pipeline._runnable`): before, a
+    # second gather silently dropped the gradients summed on the first; the others failed mid-step
+    # while the peer waited for a transfer (or, without 0REDUCE_GRAD, rank 1 finished the step).
+    "gathered_twice": ("0UNSHARD 0F0 0SEND_F0 0F1 0SEND_F1 0RESHARD 0UNSHARD 0RECV_B0 0B0 0RECV_B1 0B1 0REDUCE_GRAD "
+                       "0RESHARD", RANK1),
+    "reduce_after_reshard": ("0UNSHARD 0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0B1 0RESHARD 0REDUCE_GRAD", RANK1),
+    "optimizer_action": ("0UNSHARD 0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0B1 0REDUCE_GRAD 0RESHARD 0OPTIMIZER",
+                         RANK1),
+    "never_gathered": ("0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0B1 0REDUCE_GRAD", RANK1),
+    "never_reduced": ("0UNSHARD 0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0B1", RANK1),
+    "fsdp_without_transfers": ("0UNSHARD 0F0 0F1 0B0 0B1 0REDUCE_GRAD 0RESHARD", "1UNSHARD 1F0 1B0 1F1 1B1 1REDUCE_GRAD 1RESHARD"),
 }
 
 
@@ -175,6 +186,22 @@ def test_missing_receive_is_refused_when_the_step_is_made(world):
     assert kind == "ScheduleError", message
     assert "1F1" in message and "no 1RECV_F1 before it" in message, message
     assert "1:1F1" in actions, actions
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("gathered_twice", "gathers stage 0 a second time in the step (first at action 0)"),
+    ("reduce_after_reshard", "0RESHARD (action 9) frees stage 0 before its 0REDUCE_GRAD"),
+    ("optimizer_action", "0OPTIMIZER (action 11): a sharded_step updates every stage once after the schedule"),
+    ("never_gathered", "0F0 (action 0) runs stage 0, which this rank never gathered before it"),
+    ("never_reduced", "rank 0 never reduces stage 0's gradients: add 0REDUCE_GRAD"),
+    ("fsdp_without_transfers", "holds FSDP actions but no SEND/RECV"),
+])  # fmt: skip
+def test_schedules_the_runner_cannot_run_are_refused_when_the_step_is_made(world, name, expected):
+    """Each passes `fs.pipeline.check` (consistent for a runtime of its own: torch's lowering
+    gathers a stage several times a step), and is refused by the step before any collective."""
+    fs.pipeline.check(hand_written(name), sends="rendezvous")
+    got = world.run(make_alone, PP2, schedule=hand_written(name))[0]
+    assert got is not None and got[0] == "ScheduleError" and expected in got[1], got
 
 
 def test_rendezvous_deadlock_is_refused_for_the_eager_oracle_only(world):
