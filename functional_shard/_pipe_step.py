@@ -45,7 +45,7 @@ from ._state import StepState, _StepKey, check_not_donated
 from ._tree import BUFFER, FROZEN, TRAINABLE, ModuleParams
 from .optim import LeafLayout, global_norm
 from .pipeline import Action, Pipeline, PipelineSchedule, ScheduleError, build_schedule, check, with_communication
-from .pipeline._runnable import check_runnable
+from .pipeline._runnable import check_metas, check_runnable
 from .pipeline import explain as pipeline_explain
 from .pipeline._actions import ActionKind
 from .pipeline._peaks import stage_peak_bytes
@@ -249,6 +249,7 @@ class PipelineStep(StageFigures):
             try:
                 cut = cut_stages(self.loss_fn, self._treedef, self._meta, self._stage_of_leaf, micro, self.num_stages, self.mesh,
                                  has_aux=self.has_aux)  # fmt: skip
+                check_metas(self.schedule, self.pp_rank, cut.stages)
             except Exception as e:  # noqa: BLE001
                 error = e
             self._together("a training step", error, "could not trace and cut loss_fn into pipeline stages")

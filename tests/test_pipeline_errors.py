@@ -204,6 +204,35 @@ def test_schedules_the_runner_cannot_run_are_refused_when_the_step_is_made(world
     assert got is not None and got[0] == "ScheduleError" and expected in got[1], got
 
 
+def with_metas(activation: str, cotangent: str) -> PipelineSchedule:
+    rank0 = SCHEDULES["valid"][0].replace("0SEND_F0", "0SEND_F0{%s}" % activation).replace("0RECV_B1", "0RECV_B1{%s}" % cotangent)
+    rank1 = RANK1.replace("1RECV_F0", "1RECV_F0{%s}" % activation).replace("1SEND_B1", "1SEND_B1{%s}" % cotangent)
+    return PipelineSchedule.from_text(f"rank 0: {rank0}\nrank 1: {rank1}", num_microbatches=2)
+
+
+def step_with(mesh, schedule):
+    """One step of the 2-micro-batch GPT under `schedule` (both ranks); the loss, or the error."""
+    mesh = mesh_of(mesh, PP2)
+    step, params = make_step(mesh, schedule=schedule)
+    state = step.init(params)
+    try:
+        return float(step(state, batch())[1]["loss"])
+    except ScheduleError as error:
+        return str(error)
+
+
+def test_declared_tensor_metadata_is_compared_with_the_run(world):
+    """A schedule's SEND/RECV metadata is checked against the tensors the cut sends (4 rows x 12
+    tokens x 32 floats per micro-batch), on every rank before any transfer: a schedule declaring
+    999x7:float64 on both ends passed the check and ran."""
+    right = world.run(step_with, with_metas("4x12x32:float32", "4x12x32:float32"))
+    assert isinstance(right[0], float) and right[0] == right[1], right
+    wrong = world.run(step_with, with_metas("999x7:float64", "4x12x32:float32"))
+    assert "rank 0's 0SEND_F0{999x7:float64} (action 2) declares 999x7:float64" in wrong[0], wrong
+    assert "carries 4x12x32:float32 per micro-batch" in wrong[0], wrong
+    assert "1RECV_F0{999x7:float64}" in wrong[1], wrong
+
+
 def test_rendezvous_deadlock_is_refused_for_the_eager_oracle_only(world):
     """The eager step waits for every transfer where its action stands (a send waits for its
     receive); the traced step batches non-blocking sends, which this order does not deadlock."""

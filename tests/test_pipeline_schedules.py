@@ -70,7 +70,10 @@ def test_actions_print_and_parse_in_torchs_compact_form():
 
 @pytest.mark.parametrize(
     "bad, words",
-    [("F0", "cannot read"), ("0X1", "cannot read"), ("0F", "micro-batch"), ("0UNSHARD1", "whole stage")],
+    [("F0", "cannot read"), ("0X1", "cannot read"), ("0F", "micro-batch"), ("0UNSHARD1", "whole stage"),
+     # metadata: a size that is not a number >= 0, a dtype torch has no name for, a field too many
+     ("0SEND_F0{4xa:float32}", "'0SEND_F0{4xa:float32}': tensor metadata"), ("0SEND_F0{4x-1:float32}", "sizes >= 0"),
+     ("0SEND_F0{4x16:notadtype}", "torch dtype"), ("0SEND_F0{4x16:float32:junk}", "torch dtype")],
 )
 def test_malformed_actions_are_refused(bad, words):
     with pytest.raises(ScheduleError, match=words):
@@ -91,6 +94,19 @@ def test_text_and_csv_round_trips_are_identities(case, lowered):
     assert PipelineSchedule.from_text(str(schedule)).name == schedule.name
     assert PipelineSchedule.from_csv(schedule.to_csv()) == schedule
     assert PipelineSchedule.from_csv(schedule.to_csv()).to_csv() == schedule.to_csv()
+
+
+def test_the_text_header_is_read_once_and_checked():
+    """Only the header line sets fields (a later '#' line is a comment), its `ranks=` must match the
+    rank lines, a field that is not a number is named, and a name with spaces reads back."""
+    text = pp.one_f_one_b(2, 2).replace(name="my 1f1b").to_text()
+    assert PipelineSchedule.from_text(text + "# TODO: try microbatches=4\n").num_microbatches == 2
+    assert PipelineSchedule.from_text(text).name == "my 1f1b"
+    with pytest.raises(ScheduleError, match="ranks=3, but the text has 2 rank line"):
+        PipelineSchedule.from_text(text.replace("ranks=2", "ranks=3"))
+    with pytest.raises(ScheduleError, match="line 1, the schedule's header: stages_per_rank='one'"):
+        PipelineSchedule.from_text(text.replace("stages_per_rank=1", "stages_per_rank=one"))
+    assert Action.parse("0SEND_F0{4x16:float8_e4m3fn;:int64}").meta == (pp.TensorMeta((4, 16), "float8_e4m3fn"), pp.TensorMeta((), "int64"))
 
 
 def test_csv_is_torchs_format_both_ways(tmp_path):

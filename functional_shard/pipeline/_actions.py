@@ -66,6 +66,9 @@ STAGE_LEVEL = frozenset({ActionKind.UNSHARD, ActionKind.RESHARD, ActionKind.REDU
 
 _KINDS = "|".join(sorted((k.value for k in ActionKind), key=len, reverse=True))
 _ACTION_RE = re.compile(rf"^(\d+)({_KINDS})(\d*)(?:\{{([^}}]*)\}})?$")
+# torch's dtype names (`str(dtype)` without "torch."): floating, complex, integer, bool, float8 and
+# the bit-packed kinds (the pipeline package needs no torch to read a schedule)
+_DTYPE_RE = re.compile(r"(float((4|8)_e[0-9a-z_]+|16|32|64)|bfloat16|complex(32|64|128)|u?int(1|2|3|4|5|6|7|8|16|32|64)|bool|bits[0-9x]+|qu?int[0-9x]+)")
 
 
 class TensorMeta(NamedTuple):
@@ -80,9 +83,13 @@ class TensorMeta(NamedTuple):
     @staticmethod
     def parse(text: str) -> "TensorMeta":
         shape, _, dtype = text.strip().partition(":")
-        if not dtype:
-            raise ScheduleError(f"tensor metadata {text!r} is not '<d0>x<d1>...:<dtype>' (e.g. '4x16:float32')")
-        return TensorMeta(tuple(int(d) for d in shape.split("x")) if shape else (), dtype)
+        dims = shape.split("x") if shape else []
+        if not _DTYPE_RE.fullmatch(dtype) or not all(d.isdigit() for d in dims):
+            raise ScheduleError(
+                f"tensor metadata {text!r} is not '<d0>x<d1>...:<dtype>' with sizes >= 0 and a torch dtype's name "
+                "(e.g. '4x16:float32', ':int64' for a scalar)"
+            )
+        return TensorMeta(tuple(int(d) for d in dims), dtype)
 
 
 def _meta(value) -> tuple[TensorMeta, ...] | None:
@@ -150,7 +157,10 @@ class Action:
                 f"cannot read action {text!r}: write <stage><KIND><microbatch>, e.g. '0F1', '2SEND_B3', '1UNSHARD'"
             )
         stage, kind, microbatch, meta = match.groups()
-        metas = None if meta is None else tuple(TensorMeta.parse(m) for m in meta.split(";") if m.strip())
+        try:
+            metas = None if meta is None else tuple(TensorMeta.parse(m) for m in meta.split(";") if m.strip())
+        except ScheduleError as error:
+            raise ScheduleError(f"action {text.strip()!r}: {error}") from None
         return Action(ActionKind(kind), int(stage), int(microbatch) if microbatch else None, metas)
 
     @property
@@ -281,19 +291,26 @@ class PipelineSchedule:
     def from_text(text: str, **overrides) -> "PipelineSchedule":
         """Read `to_text`'s form; without its header line, the placement is inferred (see `from_rows`)."""
         header: dict = {}
+        ranks: int | None = None
         rows: list[list[str]] = []
         for number, line in enumerate(text.splitlines(), 1):
             line = line.strip()
+            named = re.match(r"#\s*pipeline\s+(.*?):((?:\s+\w+=\S*)*)\s*$", line)
+            if named and not header:  # the header (to_text's first line); other '#' lines are comments
+                header["name"] = named.group(1)
+                for key, value in re.findall(r"(\w+)=(\S*)", named.group(2)):
+                    if key == "placement":
+                        header["placement"] = value
+                        continue
+                    if key not in ("ranks", "stages_per_rank", "microbatches") or not value.isdigit():
+                        raise ScheduleError(f"line {number}, the schedule's header: {key}={value!r} is not one of ranks=, "
+                                            "stages_per_rank=, microbatches= with a number, or placement=")  # fmt: skip
+                    if key == "ranks":
+                        ranks = int(value)
+                    else:
+                        header["num_microbatches" if key == "microbatches" else key] = int(value)
+                continue
             if line.startswith("#"):
-                found = dict(re.findall(r"(\w+)=(\w+)", line))
-                named = re.match(r"#\s*pipeline\s+(\S+):", line)
-                if named:
-                    header["name"] = named.group(1)
-                for key, field in (("stages_per_rank", "stages_per_rank"), ("microbatches", "num_microbatches")):
-                    if key in found:
-                        header[field] = int(found[key])
-                if "placement" in found:
-                    header["placement"] = found["placement"]
                 continue
             if not line:
                 continue
@@ -305,6 +322,8 @@ class PipelineSchedule:
                     f"line {number}: expected rank {len(rows)}'s actions, found rank {match.group(1)}'s"
                 )
             rows.append(match.group(2).split())
+        if ranks is not None and ranks != len(rows):
+            raise ScheduleError(f"the schedule's header says ranks={ranks}, but the text has {len(rows)} rank line(s)")
         return PipelineSchedule.from_rows(rows, **(header | overrides))
 
     def to_csv(self) -> str:

@@ -79,3 +79,30 @@ def check_runnable(schedule: PipelineSchedule, *, training: bool) -> None:
                         f"rank {rank} never reduces stage {s}'s gradients: add {missing} after the stage's last B/W "
                         "(its data-parallel mean, and the only way its gradients reach the update)", [(rank, missing)],
                     )  # fmt: skip
+
+
+def check_metas(schedule: PipelineSchedule, rank: int, stages) -> None:
+    """Raise `ScheduleError` naming the first SEND/RECV of `rank` whose declared tensor metadata
+    is not what the run carries across its boundary: per micro-batch, the activations stage s
+    sends to s + 1 (`stages[s].sent`, a cut's `StageProgram`s) and the cotangents of the
+    differentiable ones coming back; values lent once per step (a tied weight) are not listed,
+    as a schedule's metadata lists what crosses per micro-batch."""
+
+    def meta(b):
+        return tuple(b.shape), str(b.dtype).removeprefix("torch.")
+
+    wires = {p.index: (tuple(meta(b) for b in p.sent if not b.lent), tuple(meta(b) for b in p.sent if not b.lent and b.differentiable))
+             for p in stages}  # fmt: skip
+    for i, a in enumerate(schedule.actions[rank]):
+        if a.meta is None:
+            continue
+        boundary = a.stage if a.kind in (K.SEND_F, K.RECV_B) else a.stage - 1
+        forward, backward = wires[boundary]
+        carried = forward if a.kind in (K.SEND_F, K.RECV_F) else backward
+        declared = tuple((tuple(m.shape), m.dtype) for m in a.meta)
+        if declared != tuple(carried):
+            text = ";".join("x".join(map(str, shape)) + ":" + dtype for shape, dtype in carried) or "nothing"
+            raise ScheduleError(
+                f"rank {rank}'s {a} (action {i}) declares {';'.join(map(str, a.meta))}, but the boundary between stages "
+                f"{boundary} and {boundary + 1} carries {text} per micro-batch in this run", [(rank, a)],
+            )  # fmt: skip
