@@ -45,6 +45,7 @@ from ._collectives import ReduceScatterFlat
 from ._layout import Layout
 from ._pipe_saved import Recorder, saved_bytes
 from ._shard import gather_full
+from ._stage_remat import StageRemat
 from ._stages import Cut
 from .pipeline import Action, ActionKind, PipelineSchedule
 
@@ -407,14 +408,19 @@ def _backward(a: Action, st: _Stage, stages, program, schedule, last, ready, mes
     else:
         diff_params = [p for p in st.leaves if p.requires_grad]
         targets = diff_params + diff_inputs
-        if targets and pairs:
-            got = torch.autograd.grad([r for r, _ in pairs], targets, [c for _, c in pairs], allow_unused=True)
-        else:
-            got = [None] * len(targets)
+        remat = getattr(program.call, "__self__", None)
+        releasing = isinstance(remat, StageRemat)
+        if releasing:  # one recomputation per unit: what it read goes with it
+            remat.releasing = True
+        try:
+            if targets and pairs and st.tree is None:
+                cots = _accumulating_backward(st, pairs, diff_inputs)
+            else:
+                cots = _grad_backward(st, pairs, diff_params, targets)
+        finally:
+            if releasing:
+                remat.releasing = False
         del pairs
-        it = iter(got[: len(diff_params)])
-        _add_gradients(st, [next(it) if p.requires_grad else None for p in st.leaves])
-        cots = got[len(diff_params):]
     cots = list(cots)
     for j, (c, t) in enumerate(zip(cots, diff_inputs)):
         if lent and lent[j]:  # summed here, sent once (a stage relaying it gets None but once: no zeros added)
@@ -430,6 +436,50 @@ def _backward(a: Action, st: _Stage, stages, program, schedule, last, ready, mes
         elif c is None:
             cots[j] = torch.zeros_like(t)
     st.input_cotangents[m] = cots
+
+
+def _grad_backward(st: _Stage, pairs: list, diff_params: list, targets: list) -> list:
+    """A B's backward by `autograd.grad` (a layout-invariant step's tree takes each micro-batch's
+    gradients whole): the gradients added to the sums; returns the inputs' cotangents."""
+    if targets and pairs:
+        got = torch.autograd.grad([r for r, _ in pairs], targets, [c for _, c in pairs], allow_unused=True)
+    else:
+        got = [None] * len(targets)
+    it = iter(got[: len(diff_params)])
+    _add_gradients(st, [next(it) if p.requires_grad else None for p in st.leaves])
+    return list(got[len(diff_params):])
+
+
+def _accumulating_backward(st: _Stage, pairs: list, diff_inputs: list) -> list:
+    """A B's backward that adds each parameter's gradient to the stage's sum as autograd makes it
+    (`AccumulateGrad` into the sum set as the leaf's `.grad`, in place: `sum += g`, the bits of
+    `_add_gradients`), as torch's own pipelining accumulates into `.grad`; `autograd.grad` would
+    hold every gradient of the micro-batch until the stage's whole backward returns, up to a
+    second copy of the stage's gradients beside the sums. A sum autograd made (the first
+    micro-batch's) is copied once before it is added into; a leaf whose sum has another dtype
+    (a reduce dtype above the parameters') gets its gradient cast and added after. Returns the
+    cotangents of `diff_inputs` (None where none reaches them)."""
+    preset = []
+    for j, p in enumerate(st.leaves):
+        into = p.requires_grad and st.sums[j] is not None and st.sums[j].dtype == p.dtype
+        if into and not st.owned[j]:  # autograd's tensor, which may be another leaf's gradient too
+            st.sums[j], st.owned[j] = st.sums[j].clone(), True
+        p.grad = st.sums[j] if into else None
+        preset.append(into)
+    for t in diff_inputs:
+        t.grad = None
+    targets = [p for p in st.leaves if p.requires_grad] + diff_inputs
+    torch.autograd.backward([r for r, _ in pairs], [c for _, c in pairs], inputs=targets)
+    grads = []
+    for j, p in enumerate(st.leaves):
+        g, p.grad = p.grad, None
+        grads.append(None if preset[j] or g is None else g)  # preset: added in place already
+    _add_gradients(st, grads)
+    cots = []
+    for t in diff_inputs:
+        cots.append(t.grad)
+        t.grad = None
+    return cots
 
 
 def _first_and_last(schedule: PipelineSchedule) -> tuple[dict[int, int], dict[int, int]]:

@@ -96,6 +96,10 @@ class StageRemat:
             u: frozenset(i for n in ns for i in n.all_input_nodes if i not in self.recomputed) for u, ns in self._by_unit.items()
         }  # fmt: skip
         self.sources = frozenset().union(*self._sources_of.values())
+        # Set by the runner around a full backward (B): each unit is recomputed once, so the values
+        # its recomputation read go with it (autograd frees its own references node by node). I
+        # and W keep them: W recomputes its units again.
+        self.releasing = False
         # when each value of the forward is last read (freed after that node)
         last_use: dict[fx.Node, fx.Node] = {}
         for n in nodes:
@@ -199,6 +203,7 @@ class _Instance:
         self.cache: dict[fx.Node, Any] = {}  # recomputed values some handle has not read yet
         self.unread: dict[fx.Node, set[int]] = {}  # node -> ids of its handles not read since it was recomputed
         self.recomputed: set[int] = set()  # units recomputed at least once
+        self.readers: dict[fx.Node, set[int]] = {}  # source -> the units whose recomputation still reads it
         self.late: int | None = None  # the unit whose later recomputation is cached
 
     def register(self, n: fx.Node, value: Any) -> None:
@@ -237,8 +242,10 @@ class _Instance:
 
     def forward_done(self) -> None:
         self.made.clear()  # no more packs: nothing to match
-        needed = frozenset().union(*(self.remat._sources_of[u] for u in {self.remat._unit[n] for n in self.handles}))
+        units = {self.remat._unit[n] for n in self.handles}
+        needed = frozenset().union(*(self.remat._sources_of[u] for u in units))
         self.sources = {n: v for n, v in self.sources.items() if n in needed}  # what no recomputation reads goes
+        self.readers = {n: {u for u in units if n in self.remat._sources_of[u]} for n in self.sources}
 
     def _source(self, n: fx.Node) -> Any:
         packed, value = self.sources[n]
@@ -256,8 +263,16 @@ class _Instance:
                         self.cache.pop(m, None)
                         self.unread.pop(m, None)
                 self.late = u
+            first = u not in self.recomputed
             self.recomputed.add(u)
             self._recompute(u)
+            if first and self.remat.releasing:  # a B: no later recomputation of u reads its sources
+                for m in self.remat._sources_of[u]:
+                    readers = self.readers.get(m)
+                    if readers is not None:
+                        readers.discard(u)
+                        if not readers:
+                            del self.sources[m], self.readers[m]
         value = self.cache[n]
         unread = self.unread[n]
         unread.discard(id(h))
