@@ -9,7 +9,7 @@ import torch
 
 from ._basemesh import BaseMesh
 
-__all__ = ["StepError", "WeightedLoss", "split_loss", "check_loss"]
+__all__ = ["StepError", "WeightedLoss", "split_loss", "check_loss", "weighted_term"]
 
 
 class StepError(ValueError):
@@ -32,11 +32,26 @@ class WeightedLoss(NamedTuple):
     bit for bit (the mean form divides by `weight` in the forward and multiplies it back in the
     objective: `(w * (1 / W)) / w` is not always `1 / W` in floating point). Metrics report
     the mean, `loss / weight` (0 where the weight is 0).
+
+    A weight of 0 (a micro-batch or rank with no items) weighs nothing in the reported mean, even
+    where `loss` is NaN (the mean form of cross-entropy over all-ignored labels is 0/0). Its
+    gradient must be finite too: `F.cross_entropy`'s is (0), but a hand-written mean such as
+    `(per * mask).sum() / mask.sum()` divides by 0 in its backward as well, so its gradient is
+    NaN and the step is skipped (never applied); write it with `summed=True` (the sum over the
+    items and their count), which trains on such a batch as single-process training does.
     """
 
     loss: torch.Tensor  # 0-d floating: this rank's loss, a mean over `weight` items (or their sum)
     weight: torch.Tensor | float  # 0-d (or a number): how much it weighs; not differentiated
     summed: bool = False  # True: `loss` is the sum over the `weight` items, not their mean
+
+
+def weighted_term(loss: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`weight * loss` in float32 (a term of the weighted mean's numerator), 0 where the weight is
+    0: a mean over no items (cross-entropy of a micro-batch whose labels are all ignored) is NaN,
+    and it weighs nothing; `0 * nan` made the reported loss NaN."""
+    term = loss.float() * weight
+    return torch.where(torch.as_tensor(weight, device=term.device) == 0, torch.zeros_like(term), term)
 
 
 def split_loss(out: Any, has_aux: bool, mesh: BaseMesh) -> tuple[Any, Any]:

@@ -3,8 +3,10 @@
 A NaN or an Inf anywhere in one rank's batch or gradient reaches every rank's gradient through
 the reduce-scatter, and an update would write it into every parameter. The step already
 all-reduces the global gradient norm (`metrics["grad_norm"]`), which is not finite exactly when
-some gradient element is not (or the norm overflows its dtype): every rank reads the same
-verdict, `isfinite(grad_norm)`, at no extra collective and no extra pass over the gradient.
+some gradient element is not (or the norm overflows its dtype), and the mean loss over every
+rank (`metrics["loss"]`: a non-finite loss whose gradient is finite, a term no parameter
+reaches, is refused too): every rank reads the same verdict, `isfinite(grad_norm) and
+isfinite(loss)`, at no extra collective and no extra pass over the gradient.
 fp16 loss scaling (`fs.LossScale`) skips on the same verdict — one mechanism for every dtype.
 
 The decision is taken on the host after the step ran, from the norm the step returns anyway
@@ -95,9 +97,12 @@ def skip_update(policy: NonFinite, out: StepOutput, *, step: int, rank: int, los
     on the host, unless `policy` is apply. Every rank decides the same: the norm is global."""
     if policy is NonFinite.APPLY:
         return False
-    norm = float(out.grad_norm)
-    if math.isfinite(norm):
+    norm, mean = float(out.grad_norm), float(out.mean_loss)
+    if math.isfinite(norm) and math.isfinite(mean):
         return False
+    # the loss itself (its mean over every rank: all-reduced, the same verdict on each), for a
+    # non-finite loss whose gradient is finite (a term no parameter reaches)
+    what = f"grad_norm {norm}" if not math.isfinite(norm) else f"its gradient is finite, but the loss is {mean}"
     own = float(out.loss)
     mine = "" if math.isfinite(own) else f"; rank {rank}'s own loss is {own}: its batch or loss_fn produced it"
     if loss_scale is not None:
@@ -106,7 +111,7 @@ def skip_update(policy: NonFinite, out: StepOutput, *, step: int, rank: int, los
             raise NonFiniteError(
                 f"fp16 loss scaling skipped {skips} steps in a row (steps {step - skips + 1} to {step}; "
                 f"LossScale(max_consecutive_skips={loss_scale.max_consecutive_skips})): the gradient was not finite "
-                f"(grad_norm {norm}) at every scale down to {float(out.loss_scale.scale)} "
+                f"({what}) at every scale down to {float(out.loss_scale.scale)} "
                 f"(min_scale={loss_scale.min_scale}){mine}. No scale fixes that: look for a NaN or an Inf in the "
                 f"batches or the model (metrics['local_loss'] per rank), lower the learning rate, or train in "
                 f"bfloat16. The state passed to the step is unchanged"
@@ -122,13 +127,13 @@ def skip_update(policy: NonFinite, out: StepOutput, *, step: int, rank: int, los
             else "the state passed in is unchanged"
         )
         raise NonFiniteError(
-            f"the gradient of step {step} is not finite (grad_norm {norm}){mine}. Stopped, as nonfinite='raise' "
+            f"step {step} is not finite ({what}){mine}. Stopped, as nonfinite='raise' "
             f"asks: {kept}. Look for a NaN or an Inf in the batches (metrics['local_loss'] per rank) or the "
             f"model, or lower the learning rate; nonfinite='skip' skips such steps instead"
         )
     if rank == 0:
         warnings.warn(
-            f"the gradient of step {step} is not finite (grad_norm {norm}): fs skipped the update of step {step} on "
+            f"step {step} is not finite ({what}): fs skipped the update of step {step} on "
             f"every rank (parameters, module buffers and optimizer state unchanged; metrics['skipped'] is True). "
             f"A NaN or an Inf in a batch or in the model; ranks whose own loss was not finite say so. Pass "
             f"nonfinite='raise' to stop instead",

@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 
 from . import _canonical
+from ._losses import weighted_term
+from ._reference import unscaled
 from ._stages import Cut
 
 __all__ = ["mean_of"]
@@ -23,7 +25,7 @@ def _sums(cut: Cut, losses: list, mesh) -> torch.Tensor:
             total = total + values[1].float()
         local[0] = total[0]
         if cut.weighted:
-            local[1] = sum((v[1].float() * v[2] for v in losses[1:]), losses[0][1].float() * losses[0][2])
+            local[1] = sum((weighted_term(v[1], v[2]) for v in losses[1:]), weighted_term(losses[0][1], losses[0][2]))
             local[2] = sum((v[2] for v in losses[1:]), losses[0][2])
     axes = (*mesh.data_axes, "pp")
     return mesh.all_reduce_flat(local, axes)
@@ -38,7 +40,7 @@ def _canonical_sums(cut: Cut, losses: list, mesh, canonical) -> torch.Tensor:
     out = torch.zeros(2, dtype=torch.float32, device=device)
     if losses:
         if cut.weighted:
-            pairs = torch.stack([torch.stack([v[1].float() * v[2], v[2]]) for v in losses])
+            pairs = torch.stack([torch.stack([weighted_term(v[1], v[2]), v[2]]) for v in losses])
             out = _canonical.tree_sum(_canonical.chunk_values(pairs, mesh))
         else:
             every = _canonical.chunk_values(torch.stack([v[1].float() for v in losses]), mesh)
@@ -51,7 +53,7 @@ def mean_of(cut: Cut, result, mesh, microbatches: int, canonical, loss_scale=Non
     with fp16 loss scaling (`loss_scale`: the state's) the gradients divided by the scale the
     backward was seeded with, after the mean, as the plain step does."""
     scale = loss_scale.scale if loss_scale is not None else None
-    unscale = (lambda g: g / scale.to(g.dtype)) if scale is not None else (lambda g: g)  # noqa: E731
+    unscale = (lambda g: unscaled(g, scale)) if scale is not None else (lambda g: g)  # noqa: E731
     if canonical is not None:
         sums = _canonical_sums(cut, result.losses, mesh, canonical)
         if cut.weighted:

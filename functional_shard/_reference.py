@@ -38,7 +38,7 @@ from ._mesh import BaseMesh
 from ._offload import map_buffer_pairs, map_buffers, offloaded, streamed, to_device, to_host, to_host_into
 from ._microbatches import cast_inputs, split_microbatches
 from ._shard import gather_buffer, gather_full, gather_kept
-from ._losses import StepError, WeightedLoss, check_loss, split_loss
+from ._losses import StepError, WeightedLoss, check_loss, split_loss, weighted_term
 from .optim import LeafLayout, global_norm
 
 __all__ = [
@@ -141,6 +141,14 @@ def _objective(fn: StepFunction, out: Any, scale) -> tuple[torch.Tensor, tuple]:
     return objective, ((*extras, aux) if fn.has_aux else extras)
 
 
+
+def unscaled(g: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """A loss-scaled gradient divided by its scale, in float32 at least and cast back: an fp16
+    gradient divided by a scale cast to fp16 (65536 and above: inf) came out zero, the step
+    applied it as finite. A float32 gradient: `g / scale`, as before."""
+    wide = torch.promote_types(g.dtype, torch.float32)
+    return (g.to(wide) / scale.to(wide)).to(g.dtype)
+
 def gradients(fn: StepFunction, layout: Layout, shards, local, batch, loss_scale=None, kept=None) -> Gradients:
     """This rank's shard of the mean gradient over ranks (and micro-batches), and the forward's results.
 
@@ -217,13 +225,13 @@ def gradients(fn: StepFunction, layout: Layout, shards, local, batch, loss_scale
             # x / 1 is x, bit for bit: one rank and one micro-batch skip a pass over the gradients.
             mean = {name: g / count if count != 1 else g for name, g in zip(names, total)}
         else:
-            loss_sum = sum((l.float() * w for l, w in zip(losses[1:], weights[1:])), losses[0].float() * weights[0])
+            loss_sum = sum((weighted_term(l, w) for l, w in zip(losses[1:], weights[1:])), weighted_term(losses[0], weights[0]))
             weight_sum = sum(weights[1:], weights[0])
             if seeded:  # the backward was seeded with 1 / sums[1]: the gradient is the mean already
                 sums = seeded[0]
                 mean = dict(zip(names, total))
             elif canon is not None:  # [w * loss, w] of each chunk, added in the canonical tree
-                pairs = torch.stack([torch.stack([l.float() * w, w]) for l, w in zip(losses, weights)])
+                pairs = torch.stack([torch.stack([weighted_term(l, w), w]) for l, w in zip(losses, weights)])
                 sums = _canonical.tree_sum(_canonical.chunk_values(pairs, mesh))
                 mean = {name: g / sums[1].to(g.dtype) for name, g in zip(names, total)}
             else:
@@ -233,7 +241,7 @@ def gradients(fn: StepFunction, layout: Layout, shards, local, batch, loss_scale
             mean_loss = (sums[0] / sums[1]).reshape(())
             loss = (loss_sum / weight_sum).to(losses[0].dtype)
         if scale is not None:
-            mean = {name: g / scale.to(g.dtype) for name, g in mean.items()}
+            mean = {name: unscaled(g, scale) for name, g in mean.items()}
     aux = (auxes[0] if fn.microbatches == 1 else auxes) if fn.has_aux else None
     return Gradients(mean, local, loss, mean_loss, aux, tuple(losses))
 
@@ -258,7 +266,7 @@ def _weighted_seed(extras: tuple, mesh: BaseMesh, seeded: list) -> torch.Tensor 
     if not isinstance(weight, torch.Tensor) or loss.dtype not in (torch.float32, torch.float64):
         return None
     with _tracing.phase("forward"):
-        sums = mesh.all_reduce_flat(torch.stack([loss.float() * weight, weight]), mesh.data_axes)
+        sums = mesh.all_reduce_flat(torch.stack([weighted_term(loss, weight), weight]), mesh.data_axes)
     seeded.append(sums)
     return (1 / sums[1]).to(loss.dtype)
 
@@ -445,7 +453,7 @@ def evaluate(fn: StepFunction, layout: Layout, shards, local, batch) -> EvalOutp
     _, (loss, weight, *aux) = _objective(fn, out, None)
     with _tracing.phase("update"):
         if isinstance(weight, torch.Tensor):
-            sums = mesh.all_reduce_flat(torch.stack([loss.float() * weight, weight]), mesh.data_axes)
+            sums = mesh.all_reduce_flat(torch.stack([weighted_term(loss, weight), weight]), mesh.data_axes)
             mean = (sums[0] / sums[1]).reshape(())
         else:
             mean = (mesh.all_reduce_flat(loss.reshape(1).float(), mesh.data_axes) / mesh.data_size).reshape(())

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 import functional_shard as fs
-from functional_shard.models import MLP
+from functional_shard.models import GPT, MLP, GPTConfig
 
 BATCH = 4
 
@@ -127,7 +127,7 @@ def nonfinite_policies(mesh):
 
 def test_a_nonfinite_gradient_raises_or_is_applied_on_request(local_world):
     for out in local_world(2).run(nonfinite_policies):
-        assert "the gradient of step 0 is not finite (grad_norm nan)" in out["raise"], out["raise"]
+        assert "step 0 is not finite (grad_norm nan)" in out["raise"], out["raise"]
         assert "nonfinite='raise'" in out["raise"] and out["raise_untouched"]
         assert out["apply_nan"] and not out["apply_skipped"], out
         assert out["donate_default"] is fs.NonFinite.RAISE
@@ -268,3 +268,67 @@ def test_traced_on_one_rank_and_eager_on_another_is_refused(local_world, program
     for message, elapsed, untouched in local_world(2).run(mode_per_rank, program):
         assert "rank 0: traced (fs.Schedule(trace=True)); rank 1: eager (fs.Schedule(trace=False))" in message, message
         assert elapsed < 10 and untouched
+
+
+# --- a non-finite loss whose gradient is finite; a micro-batch that weighs nothing -------------
+
+
+def _tiny_gpt():
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, d_model=16))
+
+
+def loss_without_gradient(mesh, policy):
+    """A loss of -inf on rank 1 from a term no parameter reaches: its gradient is finite."""
+    apply_fn, params = fs.functionalize(_tiny_gpt())
+
+    def loss_fn(p, b):
+        x, y, flag = b
+        return F.cross_entropy(apply_fn(p, x).flatten(0, 1), y.flatten()) + torch.log(1 - flag.max())
+
+    step = fs.sharded_step(loss_fn, mesh, optimizer=fs.optim.sgd(0.1), nonfinite=policy, schedule=fs.Schedule(trace=False))
+    state = step.init(params)
+    x = torch.randint(0, 32, (4, 8), generator=torch.Generator().manual_seed(mesh.rank))
+    flag = torch.zeros(4)
+    flag[0] = float(mesh.rank == 1)
+    before = [t.clone() for t in state.params.shards]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        try:
+            state, metrics = step(state, (x, torch.roll(x, -1, 1), flag))
+        except fs.NonFiniteError as error:
+            return str(error)
+    return bool(metrics["skipped"]), all(torch.equal(a, b) for a, b in zip(before, state.params.shards))
+
+
+def test_a_nonfinite_loss_with_a_finite_gradient_is_not_applied(local_world):
+    """The verdict reads the mean loss too: before, such a step was applied on every rank, under
+    'skip' and 'raise' alike, with no warning."""
+    assert local_world(2).run(loss_without_gradient, "skip") == [(True, True), (True, True)]
+    for message in local_world(2).run(loss_without_gradient, "raise"):
+        assert "step 0 is not finite (its gradient is finite, but the loss is -inf)" in message, message
+
+
+def weighted_with_an_empty_microbatch(mesh):
+    apply_fn, params = fs.functionalize(_tiny_gpt())
+
+    def loss_fn(p, b):
+        x, y = b
+        return fs.WeightedLoss(F.cross_entropy(apply_fn(p, x).flatten(0, 1), y.flatten()), (y != -100).sum())
+
+    step = fs.sharded_step(loss_fn, mesh, optimizer=fs.optim.sgd(0.1), microbatches=2, schedule=fs.Schedule(trace=False))
+    x = torch.randint(0, 32, (4, 8), generator=torch.Generator().manual_seed(3))
+    y = torch.roll(x, -1, 1)
+    y[:2] = -100  # micro-batch 0: no tokens (its mean cross-entropy is 0/0)
+    _, metrics = step(step.init(params), (x, y))
+    model = _tiny_gpt()
+    loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
+    return float(metrics["loss"]), float(metrics["grad_norm"]), bool(metrics["skipped"]), float(loss), float(norm)
+
+
+def test_a_microbatch_without_tokens_weighs_nothing_in_the_reported_loss():
+    """WeightedLoss's mean form: 0 x NaN made metrics['loss'] NaN; the gradient was right."""
+    (loss, norm, skipped, expected_loss, expected_norm), = fs.testing.SimulatedWorld(1).run(weighted_with_an_empty_microbatch)
+    assert not skipped and abs(loss - expected_loss) < 1e-5 and abs(norm / expected_norm - 1) < 1e-5, (loss, expected_loss, norm)

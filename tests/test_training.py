@@ -29,6 +29,7 @@ import functional_shard as fs
 from functional_shard.models import GPT, MLP, GPTConfig
 
 from _memory import AliveBytes
+from _meshes import mesh_of
 
 STEPS = 5
 VOCAB = 61
@@ -324,6 +325,45 @@ def test_fp16_overflow_step_is_skipped_and_reported(local_world):
     assert skipped[0] and unchanged
     assert scales[1] == scales[0] / 2
     assert not skipped[-1] and updated
+
+
+def fp16_master(mesh, pipelined: bool):
+    """A model in fp16 (its master weights too) under the default `fs.LossScale()` (65536): the
+    mean gradient and the loss-scaled step against torch's backward of loss x 65536 unscaled in
+    fp32."""
+    torch.set_num_threads(1)
+    mesh = mesh_of(mesh, {"pp": 2}) if pipelined else mesh
+    config = GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, d_model=16)
+    torch.manual_seed(0)
+    apply_fn, params = fs.functionalize(GPT(config).half())
+    x = torch.randint(0, 32, (4, 8), generator=torch.Generator().manual_seed(1))
+    batch = (x, torch.roll(x, -1, 1))
+
+    def loss_fn(p, b):
+        return F.cross_entropy(apply_fn(p, b[0]).flatten(0, 1).float(), b[1].flatten())
+
+    extra = dict(microbatches=2, pipeline=fs.pipeline.Pipeline("1f1b")) if pipelined else {}
+    step = fs.sharded_step(loss_fn, mesh, optimizer=fs.optim.sgd(0.1), precision=fs.Precision(loss_scale=fs.LossScale()),
+                           schedule=fs.Schedule(trace=False), **extra)  # fmt: skip
+    state = step.init(params)
+    _, metrics = step(state, batch)
+    torch.manual_seed(0)
+    model = GPT(config).half()
+    (F.cross_entropy(model(x).flatten(0, 1).float(), batch[1].flatten()) * 2.0**16).backward()
+    norm = sum(float((p.grad.float() / 2.0**16).double().square().sum()) for p in model.parameters()) ** 0.5
+    return float(metrics["grad_norm"]), bool(metrics["skipped"]), norm
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["plain", "pipelined"])
+def test_fp16_master_weights_unscale_in_float32(local_world, pipelined):
+    """The unscaled gradient is computed in float32 and cast back: with the scale cast to fp16
+    (65536: inf) every gradient came out 0, a finite step applied and the scale grew on."""
+    if pipelined:
+        results = local_world(2).run(fp16_master, True)
+    else:
+        results = fs.testing.SimulatedWorld(1).run(fp16_master, False)
+    for grad_norm, skipped, expected in results:
+        assert not skipped and abs(grad_norm / expected - 1) < 2e-3, (grad_norm, expected)
 
 
 # --- accumulation ---------------------------------------------------------------------------------
