@@ -184,17 +184,14 @@ def _main_of_rank(payload: bytes) -> Any:
     multiprocessing.current_process().daemon = False
     multiprocessing.set_start_method(None, force=True)
     main, args, kwargs = _loads(payload)
-    result = main(*args, **kwargs)
-    # Only rank 0's result is wanted; the others' need not even be picklable.
-    return result if os.environ.get("RANK") == "0" else None
+    return _call_and_leave(main, args, kwargs)
 
 
-def _run_here(main: Callable[..., Any], args: tuple, kwargs: dict, threads_per_rank: int | None, keep_memory: bool) -> Any:
-    """`main` as this rank of a world another launcher started, set up as `launch`'s ranks are."""
-    if keep_memory:
-        keep_freed_memory()
-    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    torch.set_num_threads(threads_per_rank or max(1, (os.cpu_count() or 1) // local_world_size))
+def _call_and_leave(main: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """`main(*args, **kwargs)`, then this rank leaves the world (`shutdown`: it agrees first, so a
+    rank that returned while another is still in a collective makes both raise `MeshError` at
+    once, naming what each is in, instead of the other waiting out the collective timeout).
+    Only rank 0's result is wanted; the others' need not even be picklable."""
     try:
         result = main(*args, **kwargs)
     except BaseException:
@@ -205,6 +202,15 @@ def _run_here(main: Callable[..., Any], args: tuple, kwargs: dict, threads_per_r
         raise
     shutdown()  # a barrier, then destroy_process_group: no rank leaves while another's collective is in flight
     return result if os.environ.get("RANK") == "0" else None
+
+
+def _run_here(main: Callable[..., Any], args: tuple, kwargs: dict, threads_per_rank: int | None, keep_memory: bool) -> Any:
+    """`main` as this rank of a world another launcher started, set up as `launch`'s ranks are."""
+    if keep_memory:
+        keep_freed_memory()
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    torch.set_num_threads(threads_per_rank or max(1, (os.cpu_count() or 1) // local_world_size))
+    return _call_and_leave(main, args, kwargs)
 
 
 def launch(

@@ -106,6 +106,27 @@ def test_world_of_one_leaves_the_environment_alone_and_shutdown_is_idempotent():
     assert dict(os.environ) == before
 
 
+def one_step_more_on_rank_0():
+    mesh = fs.init_mesh({"fsdp": 2})
+    torch.manual_seed(0)
+    apply_fn, params = fs.functionalize(MLP(5, 8, 3, n_blocks=2))
+    step = fs.sharded_step(lambda p, b: apply_fn(p, b).square().mean(), mesh, optimizer=fs.optim.sgd(lr=0.1))
+    state = step.init(params)
+    for _ in range(3 if mesh.rank == 0 else 2):  # uneven data: rank 1 returns while rank 0 steps
+        state, _ = step(state, torch.randn(4, 5))
+    return "done"
+
+
+def test_a_rank_that_returns_early_fails_the_launch_at_once():
+    """A launched rank that returns from `main` leaves the world (`shutdown`, which agrees first):
+    the rank still in a step and the one shutting down both raise `MeshError` naming what each is
+    in. Before, the returned rank idled and the other waited out the collective timeout (600 s)."""
+    start = time.monotonic()
+    with pytest.raises(fs.RankError, match=r"rank 0: .*; rank 1: fs\.shutdown"):
+        fs.launch(one_step_more_on_rank_0, world_size=2)
+    assert time.monotonic() - start < 60
+
+
 # --- results arrive whatever they hold ----------------------------------------------------------
 
 
