@@ -76,6 +76,7 @@ class TrainConfig:
     remat: bool = False
     eval_every: int = 20  # 0: no held-out evaluation
     checkpoint_every: int = 0  # 0: only at the end
+    stop_after: int = 0  # stop (checkpointed) once the state has taken this many steps, as a preempted job; 0: run to `steps`
     resume: bool = False
     out: str = "results/train_hf_llama"
     export: bool = True
@@ -234,7 +235,8 @@ def main(config: TrainConfig) -> dict:
     progress = Progress(config.steps, rank=rank, initial=min(start, config.steps))
     metrics = None
     began = time.perf_counter()
-    for n in range(start, config.steps):
+    stop = min(config.steps, config.stop_after) if config.stop_after else config.steps
+    for n in range(start, stop):
         if config.eval_every and n % config.eval_every == 0 and n not in history.eval_steps:
             evaluate()
         batch = train_batch(train_rows, config, n, rank)
@@ -328,6 +330,9 @@ def parse_args(argv=None) -> TrainConfig:
     parser.add_argument("--eval-every", type=int, default=d.eval_every, help="held-out loss every N steps (0: off)")
     parser.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every,
                         help="save a checkpoint every N steps (always at the end)")
+    parser.add_argument("--stop-after", type=int, default=d.stop_after,
+                        help="stop (with a checkpoint) after this many steps, as an interrupted run: the learning-rate "
+                             "schedule still spans --steps, so --resume with the same --steps ends as the whole run")
     parser.add_argument("--resume", action="store_true", help="start from OUT/checkpoint")
     parser.add_argument("--out", default=d.out, help="where checkpoint/, loss.png, history.json and export/ go")
     parser.add_argument("--no-export", action="store_true", help="skip save_pretrained at the end")
@@ -339,8 +344,8 @@ def parse_args(argv=None) -> TrainConfig:
     return TrainConfig(
         world_size=args.world_size, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
         seed=args.seed, precision=args.precision, microbatches=args.microbatches, clip=args.clip, remat=args.remat,
-        eval_every=args.eval_every, checkpoint_every=args.checkpoint_every, resume=args.resume, out=args.out,
-        export=not args.no_export,
+        eval_every=args.eval_every, checkpoint_every=args.checkpoint_every, stop_after=args.stop_after,
+        resume=args.resume, out=args.out, export=not args.no_export,
     )
 
 

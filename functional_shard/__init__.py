@@ -17,6 +17,7 @@ from . import testing as testing
 from . import tensor_parallel as tensor_parallel
 from . import pipeline as pipeline
 from ._export import export as export
+from ._export_file import ExportError as ExportError
 from ._functionalize import functionalize as functionalize
 from ._failures import Failure as Failure
 from ._failures import FailureKind as FailureKind
@@ -70,6 +71,7 @@ from ._units import units_by_block as units_by_block
 __version__ = "0.1.0"
 
 __all__ = [
+    "ExportError",
     "BaseMesh",
     "BlockUnits",
     "BufferSpec",

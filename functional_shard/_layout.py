@@ -246,10 +246,13 @@ def make_layout(
     batch_norm = _batch_norm_leaves(tree)
     for path, leaf in zip(paths, leaves):
         if not isinstance(leaf, torch.Tensor):
-            raise LayoutError(
-                f"leaf {path!r} is a {type(leaf).__name__} ({leaf!r:.80}), not a torch.Tensor: every leaf "
-                f"of a sharded pytree must be a tensor (put static values in the function, not the tree)"
+            hint = (
+                "pass the params of `apply_fn, params = fs.functionalize(model)`, not the module"
+                if isinstance(leaf, torch.nn.Module)
+                else "every leaf of a sharded pytree must be a tensor (put static values in the function, not the tree)"
             )
+            shown = " ".join(repr(leaf).split())
+            raise LayoutError(f"leaf {path!r} is a {type(leaf).__name__} ({shown:.80}), not a torch.Tensor: {hint}")
         if leaf.layout != torch.strided:
             raise LayoutError(
                 f"leaf {path!r} (shape {list(leaf.shape)}, {leaf.dtype}) is a {leaf.layout} tensor: only dense "

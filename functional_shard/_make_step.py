@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
+import torch
+
 from ._mesh import BaseMesh, MeshError
 from ._nonfinite import NonFinite
 from ._pipe_step import PipelineStep
@@ -113,6 +115,16 @@ def sharded_step(
 
     Returns a `ShardedStep`: `state = step.init(params)`, then `state, metrics = step(state, batch)`.
     """
+    if isinstance(loss_fn, torch.nn.Module):
+        raise TypeError(
+            f"sharded_step takes loss_fn(params, batch) -> loss, a function; got the module {type(loss_fn).__name__}: "
+            "write apply_fn, params = fs.functionalize(model) and a loss_fn that calls apply_fn(params, ...)"
+        )
+    if not isinstance(mesh, BaseMesh):
+        raise TypeError(
+            f"sharded_step's mesh must be a mesh made by fs.init_mesh({{...}}) (or fs.analysis.AbstractMesh to plan); "
+            f"got {type(mesh).__name__} {mesh!r:.60}"
+        )
     if pipeline is not None or mesh.shape.get("pp", 1) > 1:
         return _pipeline_step(loss_fn, mesh, optimizer, schedule, units, has_aux, donate, precision, microbatches,
                               nonfinite, placements, canonical_chunks, pipeline)  # fmt: skip

@@ -461,7 +461,8 @@ class PipelineStep(StageFigures):
 
     def _check_state(self, state: StepState, what: str = "step(state, batch)") -> None:
         if not isinstance(state, StepState):
-            raise StepError(f"{what} expects the StepState made by step.init; got {type(state).__name__}")
+            raise StepError(f"{what} expects the StepState made by step.init; got {type(state).__name__} "
+                            "(call state = step.init(params) first, then state, metrics = step(state, batch))")
         if state._key is not self._key:
             raise StepError(f"this state was made by another step ({state._key.description}); this step is {self._key.description}")
         check_not_donated(state, what)

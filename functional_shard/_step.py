@@ -400,7 +400,8 @@ class ShardedStep:
 
     def _check_state(self, state: StepState, what: str = "step(state, batch)") -> None:
         if not isinstance(state, StepState):
-            raise StepError(f"{what} expects the StepState made by step.init; got {type(state).__name__}")
+            raise StepError(f"{what} expects the StepState made by step.init; got {type(state).__name__} "
+                            "(call state = step.init(params) first, then state, metrics = step(state, batch))")
         if state.params.mesh is not self.mesh:
             raise StepError(
                 f"this state was made for another mesh object ({state.params.mesh!r}, id 0x{id(state.params.mesh):x}) "

@@ -87,7 +87,8 @@ def test_schedules_example_shows_bit_identical_schedules():
 def test_hf_llama_example_trains_resumes_and_exports(tmp_path):
     transformers = pytest.importorskip("transformers")
     script, out = str(EXAMPLES / "train_hf_llama.py"), str(tmp_path / "run")
-    first = run_example(script, "--steps", "4", "--eval-every", "0", "--out", out, "--no-export")
+    # A run of 6 steps interrupted after 4 (its learning-rate schedule spans the 6).
+    first = run_example(script, "--steps", "6", "--stop-after", "4", "--eval-every", "0", "--out", out, "--no-export")
     assert first.returncode == 0, first.stderr[-12000:]
     assert last_dict(first.stdout)["steps"] == 4
     assert (tmp_path / "run" / "checkpoint").is_dir()

@@ -647,3 +647,32 @@ def test_bad_training_options_are_named():
         assert all(torch.equal(a, b) for a, b in zip(before, fs.tree_leaves(state)))
 
     fs.testing.SimulatedWorld(1).run(body)
+
+
+def _first_week_mistakes(mesh):
+    model = MLP(4, 8, 2, n_blocks=1)
+    optimizer = fs.optim.sgd(0.1)
+    step = fs.sharded_step(lambda p, b: p["input_proj.weight"].sum(), mesh, optimizer=optimizer, schedule=fs.Schedule(trace=False))
+    out = []
+    for mistake in (
+        lambda: fs.sharded_step(model, mesh, optimizer=optimizer),  # the module where a function goes
+        lambda: fs.sharded_step(lambda p, b: 0, {"fsdp": 1}, optimizer=optimizer),  # the axes, not a mesh
+        lambda: step.init(model),  # the module, not its functionalized params
+        lambda: step(fs.functionalize(model)[1], None),  # no step.init
+    ):
+        try:
+            mistake()
+            out.append(None)
+        except Exception as error:  # noqa: BLE001 - the test reads what it says
+            out.append(f"{type(error).__name__}: {' '.join(str(error).split())}")
+    return out
+
+
+def test_first_week_mistakes_say_what_to_do():
+    """What a user of FSDP2 or DDP tries first: each names the fix (they were an argument-count
+    TypeError at the first step, an AttributeError on a dict, a cut module repr, a bare type)."""
+    module, axes, init, no_init = fs.testing.SimulatedWorld(1).run(_first_week_mistakes)[0]
+    assert module.startswith("TypeError: sharded_step takes loss_fn(params, batch)") and "fs.functionalize(model)" in module
+    assert axes.startswith("TypeError: sharded_step's mesh must be a mesh made by fs.init_mesh") and "dict" in axes
+    assert "pass the params of `apply_fn, params = fs.functionalize(model)`, not the module" in init, init
+    assert "call state = step.init(params) first" in no_init, no_init

@@ -26,6 +26,8 @@ measured on this machine.
 
 from __future__ import annotations
 
+import math
+
 import dataclasses
 
 from ._machine import COLLECTIVE_KINDS, Machine
@@ -164,8 +166,10 @@ class Efficiency:
             value = getattr(self, name)
             if not 0 < value <= 1:
                 raise ValueError(f"Efficiency.{name} must be in (0, 1]; got {value!r}")
-        if self.allocator < 0:
-            raise ValueError(f"Efficiency.allocator must be >= 0; got {self.allocator!r}")
+        for name in ("allocator", "launch_s", "collective_latency_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"Efficiency.{name} must be a finite number >= 0; got {value!r}")
 
 
 # Fitted on torchtitan docs/performance.md (Dec 2024) Table 1, row "FSDP": Llama 3.1 8B, 8 H100
@@ -202,7 +206,7 @@ def cluster_machine(
     """
     if compute_dtype not in gpu.dense_flops:
         raise ValueError(f"cluster_machine: {gpu.name} has no peak for {compute_dtype!r}; it has {sorted(gpu.dense_flops)}")
-    if ranks_per_node < 1 or world_size < 1 or network_gbps <= 0:
+    if ranks_per_node < 1 or world_size < 1 or not (network_gbps > 0 and math.isfinite(network_gbps)):
         raise ValueError(
             f"cluster_machine needs world_size >= 1, ranks_per_node >= 1 and network_gbps > 0; got "
             f"{world_size}, {ranks_per_node}, {network_gbps}"

@@ -261,7 +261,13 @@ def tune_pipeline(step: Any, state: Any, batch: Any, *, budget_bytes: int | None
     """
     machine = machine if machine is not None else h100_sxm()
     rows = step.batch_rows(batch)
+    if not schedules:
+        raise ValueError("tune_pipeline schedules must name at least one schedule")
+    if microbatches is not None and (not microbatches or not all(isinstance(k, int) and k >= 1 for k in microbatches)):
+        raise ValueError(f"tune_pipeline microbatches must be counts >= 1 (or None: every divisor of the rows); got {microbatches!r}")
     counts = microbatches or tuple(sorted({k for k in range(1, rows + 1) if rows % k == 0 and k >= step.num_ranks} | {step.microbatches}))
+    if not any(rows % k == 0 for k in counts):
+        raise ValueError(f"tune_pipeline: none of microbatches={tuple(counts)} cuts the batch's {rows} rows into equal micro-batches")
     units = step._units
     of = {u: s for u, s in zip(step._unit_of_leaf, step._stage_of_leaf) if u is not None}
     own = _bounds([[u for u in range(len(units)) if of[u] == s] for s in range(step.num_stages)])

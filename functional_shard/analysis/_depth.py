@@ -43,6 +43,10 @@ class Figures(NamedTuple):
     first_gathered: float  # ... of those, the first unit's (the embedding: a pipeline's first stage holds it)
     transient: float  # the most activation bytes alive at once beyond those kept for the backward
     block_transient: float  # ... while a block (neither the first unit nor the last) runs its backward
+    forward_peak: float  # the most bytes alive while a forward node runs
+    backward_peak: float  # ... a backward node
+    update_peak: float  # ... an update node (each phase's peak is a line in depth once its place settles,
+    # where the step's peak, the largest of them, may move from one phase to another: `peak_at`)
     new_state: float  # the parameters and optimizer state the update allocates (all but those it writes in place)
     update_working: float  # the most update temporaries alive at once
     flops: float
@@ -54,6 +58,14 @@ class Figures(NamedTuple):
 
     def at(self, intercept: "Figures", layers: float) -> "Figures":
         return Figures(*(i + layers * s for s, i in zip(self, intercept)))
+
+    def peak_at(self, intercept: "Figures", layers: float) -> float:
+        """The step's peak at `layers` blocks: the largest of the phases' peaks, each extended on
+        its own line (the step's peak alone is not a line where its place moves with the depth:
+        fsdp 2, bf16, full remat peaks in the backward at 3 blocks and in the update from 4 on,
+        and its line through 3 and 4 was 10 % low at 6)."""
+        at = self.at(intercept, layers)
+        return max(at.peak, at.forward_peak, at.backward_peak, at.update_peak)
 
 
 class Tracer:
@@ -110,7 +122,9 @@ class Tracer:
         key = (dims, rows, depth)
         if key not in self._unscheduled:
             r, f, t = dims
-            axes = {k: v for k, v in (("replicate", r), ("fsdp", f), ("tp", t)) if v > 1 or k == "fsdp"}
+            # the layout's own mesh (plan_layouts' axes): no fsdp axis where it shards nothing, as
+            # a user's {"replicate": 2} or {"tp": 2} has none (with one, its buffers are gathered)
+            axes = {k: v for k, v in (("replicate", r), ("fsdp", f), ("tp", t)) if v > 1} or {"fsdp": 1}
             mesh = AbstractMesh(axes)
             loss_fn, params, placements = self.build(depth, mesh)
             step = sharded_step(loss_fn, mesh, optimizer=self.optimizer, precision=self.precision, placements=placements,
@@ -149,6 +163,7 @@ def _remat_key(remat):
 
 def _read(compiled, machine: Machine) -> Figures:
     from .. import schedule as schedule_lib
+    from ._regions import node_roles
 
     gm = compiled.graph_module
     sim = simulate(compiled, machine)
@@ -160,12 +175,19 @@ def _read(compiled, machine: Machine) -> Figures:
             if (c.kind == "all_gather" and c.phase == "forward") or c.kind == "reduce_scatter"]  # fmt: skip
     first_unit = next((c.unit for c in held if c.kind == "all_gather"), None)
     saved, transient, block_transient, new_state, update_working = _activations(compiled)
+    phase_of = node_roles(gm).phase
+    by_phase = {"forward": 0, "backward": 0, "update": 0}
+    for node, alive in zip(gm.graph.nodes, sim.memory.timeline):
+        phase = phase_of.get(node)
+        if phase in by_phase:
+            by_phase[phase] = max(by_phase[phase], alive)
     return Figures(
         sim.step_s, sim.exposed_s, sim.phases["forward"] + tp_waits["forward"], sim.phases["backward"] + tp_waits["backward"],
         fsdp, sim.phases.get("update", 0.0),
         float(sim.memory.peak), float(sim.memory.resident), float(saved), float(sum(c.nbytes for c in held)),
         float(sum(c.nbytes for c in held if c.kind == "reduce_scatter")),
         float(sum(c.nbytes for c in held if c.unit == first_unit)), float(transient), float(block_transient),
+        float(by_phase["forward"]), float(by_phase["backward"]), float(by_phase["update"]),
         float(new_state), float(update_working),
         float(sum(node_cost(n).flops for n in gm.graph.nodes if n.op == "call_function")),
     )  # fmt: skip

@@ -103,9 +103,24 @@ class LayoutSpace:
         if not remat or not all(isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) for p in remat):
             raise ValueError(f"LayoutSpace.remat must be (label, Schedule.remat value) pairs; got {self.remat!r}")
         object.__setattr__(self, "remat", remat)
+        if not isinstance(self.schedules, (tuple, list)) or not self.schedules:
+            raise ValueError(f"LayoutSpace.schedules must name at least one pipeline schedule; got {self.schedules!r}")
         for s in self.schedules:
             Pipeline(s)  # an unknown name raises here, naming the built-ins
+            if s in _SPLIT_BACKWARD:
+                raise ValueError(
+                    f"LayoutSpace.schedules: {s!r} splits each backward into I and W, and the memory a micro-batch "
+                    f"holds from its I to its W is not in the per-layer figures the layouts are composed from (it "
+                    f"would be priced as 1F1B's, 24 % low on a pp 2 GPT); plan it on a real step with "
+                    f"fs.analysis.tune_pipeline or plan_pipeline"
+                )
+        labels = [label for label, _ in remat]
+        if len(set(labels)) != len(labels) or any(len(set(getattr(self, n))) != len(getattr(self, n)) for n in ("tp", "pp", "replicate", "microbatches")):
+            raise ValueError(f"LayoutSpace holds a degree, count or remat label twice: {self!r:.300}")
         object.__setattr__(self, "schedules", tuple(self.schedules))
+
+
+_SPLIT_BACKWARD = ("zb_h1", "zbv")  # built-ins whose backward is I then W
 
 
 class LayoutCandidate(NamedTuple):
@@ -142,6 +157,8 @@ class LayoutPlan(NamedTuple):
 
     @property
     def best(self) -> LayoutCandidate:
+        """The first candidate: the fastest that fits the budget; when none fits, the first of
+        those that do not (check its `fits`)."""
         return self.candidates[0]
 
     def find(self, **axes) -> list:
@@ -177,7 +194,7 @@ def plan_layouts(
     global_batch: int,
     tokens_per_row: int,
     machine: Machine,
-    budget_bytes: int,
+    budget_bytes: int | None,
     optimizer,
     precision=None,
     schedule: Schedule | None = None,
@@ -201,7 +218,7 @@ def plan_layouts(
             degree must divide it).
         tokens_per_row: tokens per sequence (for tokens/s).
         machine: the `Machine` of the cluster (`cluster_machine(gpu, world_size=...)`).
-        budget_bytes: memory per GPU (compared with the predicted reserved bytes).
+        budget_bytes: memory per GPU (compared with the predicted reserved bytes); None: no limit.
         optimizer / precision: as for `fs.sharded_step`.
         schedule: the base `fs.Schedule` (its `remat` is replaced by each policy; default
             `Schedule(reduce_scatters_in_flight=1)`, one reduce-scatter in flight as FSDP2).
@@ -214,8 +231,16 @@ def plan_layouts(
     """
     if not (isinstance(depths, tuple) and len(depths) == 2 and 1 <= depths[0] < depths[1]):
         raise ValueError(f"plan_layouts depths must be two depths 1 <= d1 < d2; got {depths!r}")
-    if layers < 1 or world_size < 1 or global_batch < 1:
-        raise ValueError(f"plan_layouts needs layers, world_size and global_batch >= 1; got {layers}, {world_size}, {global_batch}")
+    counts = {"layers": layers, "world_size": world_size, "global_batch": global_batch, "tokens_per_row": tokens_per_row}
+    for name, value in counts.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"plan_layouts {name} must be an int >= 1; got {value!r}")
+    if budget_bytes is None:
+        budget_bytes = math.inf  # no limit: every layout fits
+    elif not budget_bytes > 0:
+        raise ValueError(f"plan_layouts budget_bytes must be > 0 (None: no limit); got {budget_bytes!r}")
+    if not (isinstance(peak_flops, (int, float)) and peak_flops >= 0 and math.isfinite(peak_flops)):
+        raise ValueError(f"plan_layouts peak_flops must be a finite number >= 0 (0: no FLOPs utilization); got {peak_flops!r}")
     start = time.perf_counter()
     base = schedule if schedule is not None else Schedule(reduce_scatters_in_flight=1)
     tracer = Tracer(build, batch, optimizer, precision, base, machine, depths)
@@ -256,7 +281,11 @@ def plan_layouts(
     for i, price, _ in planned:
         candidates[i] = price()
     if not any(math.isfinite(c.step_s) for c in candidates):
-        raise ValueError("plan_layouts: no layout of the space could be planned: " + "; ".join(sorted({c.why for c in candidates}))[:600])
+        reasons = sorted({c.why for c in candidates if c.why})
+        if not candidates:
+            reasons = [f"the space holds no layout of {world_size} GPUs (replicate x tp x pp must divide it) with a "
+                       f"schedule to run its pipelines: {space!r:.300}"]  # fmt: skip
+        raise ValueError("plan_layouts: no layout of the space could be planned: " + "; ".join(reasons)[:600])
     ranked = _rank(candidates, budget_bytes)
     return LayoutPlan(tuple(ranked), budget_bytes, time.perf_counter() - start, tracer.traces)
 
@@ -271,10 +300,11 @@ def _flat(tracer: Tracer, axes, dims, rows, label, remat, layers, world, global_
     except Exception as error:  # noqa: BLE001 - a layout the model or the step refuses is a rejected candidate
         return _failed(axes, label, "", 1, f"not plannable: {type(error).__name__}: {str(error)[:160]}")
     at = slope.at(intercept, layers)
-    reserved = round(at.peak * (1 + tracer.machine.allocator_overhead))
+    peak = slope.peak_at(intercept, layers)
+    reserved = round(peak * (1 + tracer.machine.allocator_overhead))
     return LayoutCandidate(
         axes, label, "", 1, at.step_s, global_batch * tokens / at.step_s / world,
-        at.flops / at.step_s / peak_flops if peak_flops else 0.0, reserved, round(at.peak), at.exposed_s, 0.0, True, "",
+        at.flops / at.step_s / peak_flops if peak_flops else 0.0, reserved, round(peak), at.exposed_s, 0.0, True, "",
     )  # fmt: skip
 
 

@@ -121,7 +121,7 @@ def plan_pipeline(step: Any, state: Any, batch: Any, *, machine: Machine | None 
     """
     machine = machine if machine is not None else h100_sxm()
     return _plan(step, state, _stage_figures(step, state, batch, machine), machine, schedule, microbatches,
-                 step.update_bytes(state))  # fmt: skip
+                 step.update_bytes(state), step.batch_rows(batch))  # fmt: skip
 
 
 class _StageFigures(NamedTuple):
@@ -158,10 +158,15 @@ def _stage_figures(step: Any, state: Any, batch: Any, machine: Machine) -> list[
 
 
 def _plan(step: Any, state: Any, figures: list[_StageFigures], machine: Machine, schedule: Any,
-          microbatches: int | None, update: tuple[float, float]) -> PipelinePlan:  # fmt: skip
-    """`update`: `step.update_bytes(state)` (the same for every schedule and cut of the step)."""
+          microbatches: int | None, update: tuple[float, float], rows: int | None = None) -> PipelinePlan:  # fmt: skip
+    """`update`: `step.update_bytes(state)` (the same for every schedule and cut of the step);
+    `rows`: the batch's rows, which `microbatches` must cut into equal micro-batches."""
     m0 = step.microbatches
     m = microbatches if microbatches is not None else m0
+    if not isinstance(m, int) or m < 1:
+        raise ValueError(f"plan_pipeline microbatches must be an int >= 1; got {m!r}")
+    if rows is not None and rows % m:
+        raise ValueError(f"plan_pipeline: {rows} rows per batch do not cut into microbatches={m} equal micro-batches")
     pipeline = step.pipeline if schedule is None else (schedule if isinstance(schedule, Pipeline) else Pipeline(schedule))
     compute = build_schedule(pipeline, step.num_ranks, m)
     if compute.num_stages != len(figures):
@@ -275,6 +280,8 @@ def balance_stages(loss_fn: Any, params: Any, micro_batch: Any, num_stages: int,
     from .._units import assign_units
     from ._abstract import AbstractMesh
 
+    if not isinstance(num_stages, int) or num_stages < 1:
+        raise ValueError(f"balance_stages num_stages must be an int >= 1; got {num_stages!r}")
     machine = machine if machine is not None else h100_sxm()
     leaves, treedef = tree_flatten(params)
     paths, roles = tree_paths(params), leaf_roles(params)

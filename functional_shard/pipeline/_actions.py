@@ -262,10 +262,12 @@ class PipelineSchedule:
         return dataclasses.replace(self, **changes)
 
     def with_rank(self, rank: int, actions: Iterable[Action | str]) -> "PipelineSchedule":
-        """A copy whose rank `rank` runs `actions` instead (the edit users make by hand)."""
+        """A copy whose rank `rank` runs `actions` instead (the edit users make by hand), named
+        `<name> (edited)` so that its printout and `step.explain()` do not call it the built-in."""
         rows = list(self.actions)
         rows[rank] = tuple(actions)
-        return self.replace(actions=tuple(rows))
+        name = self.name if self.name.endswith(" (edited)") else f"{self.name} (edited)"
+        return self.replace(actions=tuple(rows), name=name)
 
     def compute_only(self) -> "PipelineSchedule":
         """The same schedule with only F/B/I/W actions (what `with_communication` lowers)."""
