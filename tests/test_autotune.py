@@ -178,6 +178,9 @@ def _tune_kept_choices(mesh):
     return out
 
 
+# With -m slow (suite time, 11-27 s): the autotuner's search, budget and agreement on the default
+# step stay in test_autotune_fits_the_budget_and_ranks_agree.
+@pytest.mark.slow
 def test_autotune_keeps_zero1_and_offload(local_world):
     for report in local_world(2).run(_tune_kept_choices):
         for name, (kept, same, n) in report.items():

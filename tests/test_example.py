@@ -160,6 +160,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# With -m slow (suite time, 9-24 s): torchrun on one node runs the same launch path in
+# tests/test_launch.py::test_one_call_runs_main_under_a_local_launch_and_under_torchrun.
+@pytest.mark.slow
 def test_torchrun_two_nodes_on_loopback_train_the_example(tmp_path):
     """Two torchrun agents on this machine, one rank each, meet at a c10d rendezvous on 127.0.0.1
     and run the example unchanged, as two machines would."""

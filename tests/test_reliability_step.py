@@ -325,7 +325,7 @@ def weighted_with_an_empty_microbatch(mesh):
     loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
     loss.backward()
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
-    return float(metrics["loss"]), float(metrics["grad_norm"]), bool(metrics["skipped"]), float(loss), float(norm)
+    return float(metrics["loss"]), float(metrics["grad_norm"]), bool(metrics["skipped"]), float(loss.detach()), float(norm)
 
 
 def test_a_microbatch_without_tokens_weighs_nothing_in_the_reported_loss():
