@@ -177,6 +177,15 @@ def test_a_cut_composed_from_units_plans_as_a_step_built_with_that_cut():
     (candidate,) = fs.analysis.tune_pipeline(step, state, batch, schedules=("zb_h1",), microbatches=(4,), cuts=[cut])
     assert candidate.stages == cut and candidate.cut == "given"
     assert close(candidate.step_s, real.makespan_s) and close(candidate.peak_bytes, max(real.peak_bytes))
+    # a given cut for another stage count names why nothing was planned; counts and schedules are checked
+    three = (cut[0][:1], cut[0][1:], cut[1])
+    (lost,) = fs.analysis.tune_pipeline(step, state, batch, schedules=("zb_h1",), microbatches=(4,), cuts=[three])
+    assert not lost.fits and "none of the given cuts has 2 stages (they have [3])" in lost.why, lost.why
+    for bad, match in [(dict(microbatches=(0,)), "counts >= 1"), (dict(schedules=()), "at least one schedule")]:
+        with pytest.raises(ValueError, match=match):
+            fs.analysis.tune_pipeline(step, state, batch, **bad)
+    with pytest.raises(ValueError, match="do not cut into microbatches=3"):
+        fs.analysis.plan_pipeline(step, state, batch, microbatches=3)
 
 
 def test_tune_pipeline_cuts_a_heavy_head_off_and_predicts_it_faster():

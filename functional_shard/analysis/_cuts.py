@@ -294,7 +294,9 @@ def tune_pipeline(step: Any, state: Any, batch: Any, *, budget_bytes: int | None
                 out.append(PipelineCandidate(name, m, float("inf"), 1.0, 0, False, f"not buildable: {str(error)[:120]}"))
                 continue
             if not tried:
-                why = f"not buildable: {num_stages} stages, {len(units)} units ({', '.join(units)})"
+                given = (f"; none of the given cuts has {num_stages} stages (they have {sorted({len(c) for c in cuts})})"
+                         if cuts not in (True, False) else "")  # fmt: skip
+                why = f"not buildable: {num_stages} stages, {len(units)} units ({', '.join(units)}){given}"
                 out.append(PipelineCandidate(compute.name, m, float("inf"), 1.0, 0, False, why))
                 continue
             here = {k: v for k, v in tried.items() if v != "any"}  # the named cuts, then the enumerated ones
