@@ -261,8 +261,7 @@ def test_torchs_loss_parallel_as_planned_is_cross_entropy_and_holds_torchs_buffe
     want = torch.nn.functional.cross_entropy(full, targets)
     want_grad = torch.autograd.grad(want, full)[0]
     one = x.clone().requires_grad_()
-    with fs.init_mesh({"tp": 1}) as mesh:  # a world of one in this process: left behind, later tests saw a group
-        loss = lp.loss_parallel_cross_entropy(one, targets, mesh, "tp")
+    loss = lp.loss_parallel_cross_entropy(one, targets, fs.init_mesh({"tp": 1}), "tp")
     torch.testing.assert_close(loss, want)
     torch.testing.assert_close(torch.autograd.grad(loss, one)[0], want_grad)
     for rank, (loss, grad) in enumerate(local_world(2).run(_loss_parallel_at_tp2)):
