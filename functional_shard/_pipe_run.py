@@ -31,6 +31,7 @@ values, moved earlier.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
 import time
@@ -408,18 +409,12 @@ def _backward(a: Action, st: _Stage, stages, program, schedule, last, ready, mes
     else:
         diff_params = [p for p in st.leaves if p.requires_grad]
         targets = diff_params + diff_inputs
-        remat = getattr(program.call, "__self__", None)
-        releasing = isinstance(remat, StageRemat)
-        if releasing:  # one recomputation per unit: what it read goes with it
-            remat.releasing = True
-        try:
+        remat = getattr(program.call, "__self__", None)  # a StageRemat's run, or the plain program
+        with remat.full_backward() if isinstance(remat, StageRemat) else contextlib.nullcontext():
             if targets and pairs and st.tree is None:
-                cots = _accumulating_backward(st, pairs, diff_inputs)
+                cots = _accumulating_backward(st, pairs, targets, diff_inputs)
             else:
                 cots = _grad_backward(st, pairs, diff_params, targets)
-        finally:
-            if releasing:
-                remat.releasing = False
         del pairs
     cots = list(cots)
     for j, (c, t) in enumerate(zip(cots, diff_inputs)):
@@ -450,7 +445,7 @@ def _grad_backward(st: _Stage, pairs: list, diff_params: list, targets: list) ->
     return list(got[len(diff_params):])
 
 
-def _accumulating_backward(st: _Stage, pairs: list, diff_inputs: list) -> list:
+def _accumulating_backward(st: _Stage, pairs: list, targets: list, diff_inputs: list) -> list:
     """A B's backward that adds each parameter's gradient to the stage's sum as autograd makes it
     (`AccumulateGrad` into the sum set as the leaf's `.grad`, in place: `sum += g`, the bits of
     `_add_gradients`), as torch's own pipelining accumulates into `.grad`; `autograd.grad` would
@@ -458,7 +453,8 @@ def _accumulating_backward(st: _Stage, pairs: list, diff_inputs: list) -> list:
     second copy of the stage's gradients beside the sums. A sum autograd made (the first
     micro-batch's) is copied once before it is added into; a leaf whose sum has another dtype
     (a reduce dtype above the parameters') gets its gradient cast and added after. Returns the
-    cotangents of `diff_inputs` (None where none reaches them)."""
+    cotangents of `diff_inputs` (None where none reaches them); `targets`: the trainable leaves,
+    then `diff_inputs`."""
     preset = []
     for j, p in enumerate(st.leaves):
         into = p.requires_grad and st.sums[j] is not None and st.sums[j].dtype == p.dtype
@@ -468,7 +464,6 @@ def _accumulating_backward(st: _Stage, pairs: list, diff_inputs: list) -> list:
         preset.append(into)
     for t in diff_inputs:
         t.grad = None
-    targets = [p for p in st.leaves if p.requires_grad] + diff_inputs
     torch.autograd.backward([r for r, _ in pairs], [c for _, c in pairs], inputs=targets)
     grads = []
     for j, p in enumerate(st.leaves):

@@ -41,7 +41,7 @@ from ._shard import Sharded, _check_shards, shard_leaves
 from ._stage_assign import assign_stages
 from ._stage_remat import StageRemat
 from ._stages import Cut, cut_stages
-from ._state import StepState, _StepKey, check_not_donated
+from ._state import StepState, _StepKey, check_is_state, check_not_donated
 from ._tree import BUFFER, FROZEN, TRAINABLE, ModuleParams
 from .optim import LeafLayout, global_norm
 from .pipeline import Action, Pipeline, PipelineSchedule, ScheduleError, build_schedule, check, with_communication
@@ -460,9 +460,7 @@ class PipelineStep(StageFigures):
         return _random.stream(int(state.rng), state.step, rank, getattr(self.mesh, "device", torch.device("cpu")))
 
     def _check_state(self, state: StepState, what: str = "step(state, batch)") -> None:
-        if not isinstance(state, StepState):
-            raise StepError(f"{what} expects the StepState made by step.init; got {type(state).__name__} "
-                            "(call state = step.init(params) first, then state, metrics = step(state, batch))")
+        check_is_state(state, what)
         if state._key is not self._key:
             raise StepError(f"this state was made by another step ({state._key.description}); this step is {self._key.description}")
         check_not_donated(state, what)

@@ -141,13 +141,13 @@ def _objective(fn: StepFunction, out: Any, scale) -> tuple[torch.Tensor, tuple]:
     return objective, ((*extras, aux) if fn.has_aux else extras)
 
 
-
 def unscaled(g: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """A loss-scaled gradient divided by its scale, in float32 at least and cast back: an fp16
     gradient divided by a scale cast to fp16 (65536 and above: inf) came out zero, the step
     applied it as finite. A float32 gradient: `g / scale`, as before."""
     wide = torch.promote_types(g.dtype, torch.float32)
     return (g.to(wide) / scale.to(wide)).to(g.dtype)
+
 
 def gradients(fn: StepFunction, layout: Layout, shards, local, batch, loss_scale=None, kept=None) -> Gradients:
     """This rank's shard of the mean gradient over ranks (and micro-batches), and the forward's results.

@@ -26,6 +26,7 @@ non-pipelined step.
 
 from __future__ import annotations
 
+import contextlib
 import operator
 from typing import Any, Callable, Sequence
 
@@ -96,10 +97,7 @@ class StageRemat:
             u: frozenset(i for n in ns for i in n.all_input_nodes if i not in self.recomputed) for u, ns in self._by_unit.items()
         }  # fmt: skip
         self.sources = frozenset().union(*self._sources_of.values())
-        # Set by the runner around a full backward (B): each unit is recomputed once, so the values
-        # its recomputation read go with it (autograd frees its own references node by node). I
-        # and W keep them: W recomputes its units again.
-        self.releasing = False
+        self.releasing = False  # inside `full_backward`
         # when each value of the forward is last read (freed after that node)
         last_use: dict[fx.Node, fx.Node] = {}
         for n in nodes:
@@ -109,6 +107,17 @@ class StageRemat:
         for value, reader in last_use.items():
             self._frees.setdefault(reader, []).append(value)
         self._nodes = nodes
+
+    @contextlib.contextmanager
+    def full_backward(self):
+        """Around a full backward (B) of this stage: each unit is recomputed once, so the values
+        its recomputation read go with it (autograd frees its own references node by node). I
+        and W keep them: W recomputes its units again."""
+        self.releasing = True
+        try:
+            yield
+        finally:
+            self.releasing = False
 
     def describe(self) -> dict[str, int]:
         """How many nodes are recomputed, per unit name."""

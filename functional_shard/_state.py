@@ -31,6 +31,13 @@ class _StepKey:
         return f"<step {self.description}>"
 
 
+def check_is_state(state: Any, what: str) -> None:
+    """Raises StepError unless `state` is a `StepState` (what `step.init` makes)."""
+    if not isinstance(state, StepState):
+        raise StepError(f"{what} expects the StepState made by step.init; got {type(state).__name__} "
+                        "(call state = step.init(params) first, then state, metrics = step(state, batch))")
+
+
 def check_not_donated(state: "StepState", what: str) -> None:
     """Raises StepError if `state` was donated to a step (`donate=True`): its tensors were
     updated in place and now hold the values of the state that step returned."""

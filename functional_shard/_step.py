@@ -18,7 +18,7 @@ from ._jit import Jit, agree
 from ._layout import Layout, make_layout
 from ._mesh import BaseMesh, MeshError, PeerError
 from ._placed import CheckedLoss, check_same_layout, place, resolve_placements, split_leaves, styled_axes
-from ._state import StepState, _StepKey, check_not_donated  # noqa: F401 - re-exported (checkpoint, export)
+from ._state import StepState, _StepKey, check_is_state, check_not_donated  # noqa: F401 - re-exported (checkpoint, export)
 from ._checks import (
     batch_facts, broadcast_from_rank0, check_leaves, check_same_values, optimizer_facts, refused_batch, scalar_facts,
     step_facts,
@@ -399,9 +399,7 @@ class ShardedStep:
         return metrics
 
     def _check_state(self, state: StepState, what: str = "step(state, batch)") -> None:
-        if not isinstance(state, StepState):
-            raise StepError(f"{what} expects the StepState made by step.init; got {type(state).__name__} "
-                            "(call state = step.init(params) first, then state, metrics = step(state, batch))")
+        check_is_state(state, what)
         if state.params.mesh is not self.mesh:
             raise StepError(
                 f"this state was made for another mesh object ({state.params.mesh!r}, id 0x{id(state.params.mesh):x}) "

@@ -26,9 +26,8 @@ measured on this machine.
 
 from __future__ import annotations
 
-import math
-
 import dataclasses
+import math
 
 from ._machine import COLLECTIVE_KINDS, Machine
 

@@ -174,8 +174,9 @@ def _read(compiled, machine: Machine) -> Figures:
     held = [c for c in schedule_lib.parameter_collectives(gm)  # FSDP's: the forward's gathers and the reductions
             if (c.kind == "all_gather" and c.phase == "forward") or c.kind == "reduce_scatter"]  # fmt: skip
     first_unit = next((c.unit for c in held if c.kind == "all_gather"), None)
-    saved, transient, block_transient, new_state, update_working = _activations(compiled)
-    phase_of = node_roles(gm).phase
+    roles = node_roles(gm)  # one pass over the graph, for the phases' peaks and `_activations`
+    saved, transient, block_transient, new_state, update_working = _activations(compiled, roles)
+    phase_of = roles.phase
     by_phase = {"forward": 0, "backward": 0, "update": 0}
     for node, alive in zip(gm.graph.nodes, sim.memory.timeline):
         phase = phase_of.get(node)
@@ -193,22 +194,21 @@ def _read(compiled, machine: Machine) -> Figures:
     )  # fmt: skip
 
 
-def _activations(compiled) -> tuple[int, int, int, int, int]:
+def _activations(compiled, roles) -> tuple[int, int, int, int, int]:
     """(bytes of activations alive at the end of the forward: what the forward keeps for the
     backward, and what each micro-batch in flight holds under a pipeline; the most bytes of other
     activations and update temporaries alive at once: the working set on top; the same while a
     block, not the first or last unit, runs its backward; bytes of the new parameters and
-    optimizer state the update allocates; the most update temporaries alive at once)."""
+    optimizer state the update allocates; the most update temporaries alive at once). `roles`:
+    `node_roles` of the compiled graph."""
     from .. import schedule as schedule_lib
     from ..schedule._liveness import lifetimes
     from ._memory import _categories
-    from ._regions import node_roles
 
     gm = compiled.graph_module
     nodes = list(gm.graph.nodes)
     end = nodes.index(schedule_lib.forward_end(gm))
     storage_of, first, last, size, root = lifetimes(nodes)
-    roles = node_roles(gm)
     category = _categories(nodes, storage_of, root, roles, compiled.io)
     working = [k for k in first if category[k] in ("activations", "update_temporaries")]
     saved = [k for k in working if category[k] == "activations" and first[k] <= end < last[k]]

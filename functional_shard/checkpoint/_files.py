@@ -56,7 +56,11 @@ __all__ = [
 def checksum(tensor: torch.Tensor) -> str:
     """The CRC-32 of a contiguous CPU tensor's bytes, as 8 hex digits (fixed width: a file's
     size does not depend on its checksums)."""
-    data = tensor.detach().cpu().reshape(-1).view(torch.uint8).numpy() if tensor.numel() else b""
+    return crc32_hex(tensor.detach().cpu().reshape(-1).view(torch.uint8).numpy() if tensor.numel() else b"")
+
+
+def crc32_hex(data) -> str:
+    """The CRC-32 of `data` (bytes or a buffer) as 8 hex digits: how the checkpoint writes every checksum."""
     return f"{zlib.crc32(data):08x}"
 
 
@@ -101,7 +105,7 @@ def write_rank_file(path: Path, tensors: dict[str, torch.Tensor], metadata: dict
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    return len(header) + offset, f"{zlib.crc32(header):08x}"
+    return len(header) + offset, crc32_hex(header)
 
 
 def commit(tmp: Path, path: Path, marker: dict, overwrite: bool, token: str, version: int = VERSION) -> None:
@@ -265,9 +269,10 @@ def open_index(path: str | os.PathLike) -> dict:
     data = (path / INDEX).read_bytes()
     index = _read_json(path / INDEX, "index", data)
     committed = _read_json(path / COMMIT, "commit marker").get("index")  # absent: saved before it was recorded
-    if committed is not None and f"{zlib.crc32(data):08x}" != committed:
+    crc = crc32_hex(data)
+    if committed is not None and crc != committed:
         raise CheckpointError(
-            f"{path / INDEX} does not match the index committed with it (CRC-32 {zlib.crc32(data):08x}, committed "
+            f"{path / INDEX} does not match the index committed with it (CRC-32 {crc}, committed "
             f"{committed!r:.20}): it was changed or damaged after the save"
         )
     if index.get("version") not in READ_VERSIONS:
@@ -361,9 +366,10 @@ class ChunkReader:
                 f"{path} was written by another save ({saved_by!r:.40}) than this checkpoint ({self.save}): a file "
                 f"copied from another checkpoint? Refused; restore the file this save wrote, or load another checkpoint"
             )
-        if f"{zlib.crc32(header):08x}" != self.headers[name]:
+        crc = crc32_hex(header)
+        if crc != self.headers[name]:
             raise CheckpointError(
-                f"{path}: its header does not match the one committed (CRC-32 {zlib.crc32(header):08x}, committed "
+                f"{path}: its header does not match the one committed (CRC-32 {crc}, committed "
                 f"{self.headers[name]!r:.20}): the file is corrupted. Refused; restore it, or load another checkpoint"
             )
         return metadata

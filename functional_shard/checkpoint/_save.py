@@ -6,7 +6,6 @@ import json
 import os
 import secrets
 import shutil
-import zlib
 from pathlib import Path
 from typing import Any, Iterator, NamedTuple
 
@@ -114,7 +113,7 @@ def save(path: str | os.PathLike, state: StepState, *, overwrite: bool = False) 
             created = True
             index = _json(_index(state, slots, str(structure), plan, _save_id(code)))
             _files.write_bytes(tmp / INDEX, index)
-            index_crc = f"{zlib.crc32(index):08x}"
+            index_crc = _files.crc32_hex(index)
         except Exception as e:  # noqa: BLE001 (every rank must learn of it)
             if created:
                 shutil.rmtree(_partial(path, code), ignore_errors=True)
