@@ -382,6 +382,12 @@ def test_simulate_on_h100_spec_plans_and_orders_schedules():
     assert results["default"].exposed_s <= results["prefetch 0"].exposed_s
     trace = fs.analysis.chrome_trace(results["default"].as_profile())
     assert any(e["ph"] == "X" and e["tid"] == 1 for e in trace["traceEvents"])
+    # A machine built for fewer ranks (its links chosen for 8: NVLink) is refused, naming both.
+    for small in (fs.analysis.h100_sxm(), fs.analysis.cluster_machine(fs.analysis.H100_SXM, world_size=32)):
+        with pytest.raises(ValueError, match=f"spans 64 ranks, but the machine was built for {small.world_size}"):
+            fs.analysis.simulate(compiled, small)
+    with pytest.raises(ValueError, match="world_size >= 1"):
+        fs.analysis.h100_sxm(world_size=0)
 
 
 def test_machine_json_round_trip(tmp_path):

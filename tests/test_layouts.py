@@ -172,7 +172,8 @@ def test_space_is_checked():
     with pytest.raises(ValueError, match="twice"):
         fs.analysis.LayoutSpace(remat=(("full", True), ("full", False)))
     for bad, match in [(dict(tokens_per_row=-64), "tokens_per_row must be an int >= 1"), (dict(layers=6.5), "layers"),
-                       (dict(budget_bytes=0), "budget_bytes must be > 0"), (dict(peak_flops=-1e15), "peak_flops")]:
+                       (dict(budget_bytes=0), "budget_bytes must be > 0"), (dict(peak_flops=-1e15), "peak_flops"),
+                       (dict(world_size=16, global_batch=16), "world_size is 16 but the machine was built for 8 ranks")]:
         kwargs = dict(layers=6, world_size=2, global_batch=8, tokens_per_row=LENGTH, machine=MACHINE, budget_bytes=1 << 30,
                       optimizer=OPTIMIZER) | bad
         with pytest.raises(ValueError, match=match):

@@ -194,8 +194,8 @@ def cluster_machine(
 
     Arguments:
         gpu: `H100_SXM`, `H100_SXM_HBM2E`, `A100_SXM_80GB`, or your own `GPU`.
-        world_size: ranks of the run (only named in the machine's description: a collective's
-            group size comes from the graph).
+        world_size: ranks of the run (`simulate` refuses a step with a collective over more; a
+            collective's group size and where its ranks lie come from the graph).
         ranks_per_node: GPUs per node (NVLink domain).
         network_gbps: inter-node bandwidth per GPU, Gbit/s per direction (400: H100 clusters
             with one 400 Gb/s RDMA NIC per GPU; 200: A100 clusters).
@@ -236,4 +236,5 @@ def cluster_machine(
         attention_flops=gpu.attention_flops or gpu.dense_flops["bfloat16"] * e.attention,
         allocator_overhead=e.allocator,
         host_bandwidth=gpu.host_bandwidth,
+        world_size=world_size,
     )

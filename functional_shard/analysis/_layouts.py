@@ -217,7 +217,8 @@ def plan_layouts(
         global_batch: sequences per step over all data-parallel ranks (each layout's data-parallel
             degree must divide it).
         tokens_per_row: tokens per sequence (for tokens/s).
-        machine: the `Machine` of the cluster (`cluster_machine(gpu, world_size=...)`).
+        machine: the `Machine` of the cluster (`cluster_machine(gpu, world_size=...)`; one built for fewer
+            ranks than `world_size` is refused).
         budget_bytes: memory per GPU (compared with the predicted reserved bytes); None: no limit.
         optimizer / precision: as for `fs.sharded_step`.
         schedule: the base `fs.Schedule` (its `remat` is replaced by each policy; default
@@ -235,6 +236,11 @@ def plan_layouts(
     for name, value in counts.items():
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"plan_layouts {name} must be an int >= 1; got {value!r}")
+    if machine.world_size and machine.world_size < world_size:
+        raise ValueError(
+            f"plan_layouts world_size is {world_size} but the machine was built for {machine.world_size} ranks "
+            f"({machine.name}); build it for the run (cluster_machine(gpu, world_size={world_size}))"
+        )
     if budget_bytes is None:
         budget_bytes = math.inf  # no limit: every layout fits
     elif not budget_bytes > 0:

@@ -114,6 +114,9 @@ class Machine:
             size not in it is priced by `collective_latency_s` / `collective_bandwidth` (the
             whole world's). On a GPU cluster the NVLink/network model says it; on ranks
             sharing cores and a gloo ring a 2-rank group is not a 4-rank one made smaller.
+        world_size: the ranks of the run the machine was built for (`h100_sxm`, `cluster_machine`:
+            its links are chosen for that many); `simulate` refuses a step with a collective over
+            more. 0: not said (a calibrated machine, a hand-made one).
     """
 
     name: str
@@ -140,6 +143,7 @@ class Machine:
     host_bandwidth: float = 0.0
     shared_compute: float = 1.0
     collective_groups: dict = dataclasses.field(default_factory=dict)
+    world_size: int = 0
 
     def __post_init__(self) -> None:
         for field in ("op_seconds", "op_seconds_hot"):
@@ -160,6 +164,8 @@ class Machine:
         for kind in COLLECTIVE_KINDS:
             if kind not in self.collective_bandwidth or kind not in self.collective_latency_s:
                 raise ValueError(f"Machine needs a latency and a bandwidth for {kind!r}; got {sorted(self.collective_bandwidth)}")
+        if not isinstance(self.world_size, int) or isinstance(self.world_size, bool) or self.world_size < 0:
+            raise ValueError(f"Machine.world_size must be an int >= 0 (0: not said); got {self.world_size!r}")
         if self.ranks_per_node < 0 or (self.ranks_per_node and self.network_bandwidth <= 0):
             raise ValueError(
                 f"Machine.ranks_per_node ({self.ranks_per_node}) needs a positive network_bandwidth between nodes; "
@@ -274,6 +280,8 @@ def h100_sxm(*, ranks_per_node: int = 8, world_size: int = 8) -> Machine:
     rates are discounted to what large kernels reach (70% of matmul peak, 80% of HBM,
     80% of link and of PCIe Gen5's 64 GB/s to the host), and small ops pay a few microseconds
     of launch."""
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (ranks_per_node, world_size)):
+        raise ValueError(f"h100_sxm needs ranks_per_node >= 1 and world_size >= 1; got {ranks_per_node!r}, {world_size!r}")
     within_node = world_size <= ranks_per_node
     link = (450e9 if within_node else 50e9) * 0.8
     latency = 10e-6 if within_node else 25e-6
@@ -288,4 +296,5 @@ def h100_sxm(*, ranks_per_node: int = 8, world_size: int = 8) -> Machine:
         issue_overhead_s=5e-6,
         overlap_penalty=0.1,
         host_bandwidth=0.8 * 64e9,  # PCIe Gen5 x16 from pinned memory (CPU offload's copies)
+        world_size=world_size,
     )

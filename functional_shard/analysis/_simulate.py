@@ -91,6 +91,10 @@ def simulate(
     collectives = {c.issue: c for c in schedule_lib.collectives(gm)}
     waits = {c.wait: c for c in collectives.values()}
     names = {issue: name_collective(c, roles, mesh) for issue, c in collectives.items()}
+    groups = {
+        issue: names[issue].group.size or (world if c.kind == "all_reduce" else _group(c, world)) for issue, c in collectives.items()
+    }
+    _check_machine_world(machine, groups, names)
     finish: dict = {}
     t = machine.step_overhead_s  # compute stream
     streams: dict[str, float] = {}  # communication stream ("" for the data axes', one per model axis) -> free at
@@ -116,8 +120,7 @@ def simulate(
             c = collectives[node]
             name = names[c.issue]
             t += machine.issue_overhead_s + machine.issue_seconds_per_byte * c.nbytes
-            group = name.group.size or (world if c.kind == "all_reduce" else _group(c, world))
-            duration = machine.collective_seconds(c.kind, c.nbytes, group, stride=name.group.stride or 1)
+            duration = machine.collective_seconds(c.kind, c.nbytes, groups[c.issue], stride=name.group.stride or 1)
             stream = name.group.axis if name.model_parallel else ""
             start = max(t, streams.get(stream, 0.0))
             streams[stream] = finish[c.issue] = start + duration
@@ -234,6 +237,21 @@ class _Recency:
 
 def _nbytes(node: fx.Node) -> int:
     return sum(t.numel() * t.element_size() for t in tensors_of(node.meta.get("val")))
+
+
+def _check_machine_world(machine: Machine, groups: dict, names: dict) -> None:
+    """Refuse a step with a collective over more ranks than `machine` was built for: its links
+    (NVLink within a node, the network beyond) were chosen for that many (`h100_sxm(world_size=)`,
+    `cluster_machine(world_size=)`)."""
+    if not machine.world_size or not groups:
+        return
+    issue, size = max(groups.items(), key=lambda kv: kv[1])
+    if size > machine.world_size:
+        raise ValueError(
+            f"simulate: the step's {names[issue].label} spans {size} ranks, but the machine was built for "
+            f"{machine.world_size} ({machine.name}); build it for the run's world size (e.g. "
+            f"fs.analysis.cluster_machine(gpu, world_size={size}) or fs.analysis.h100_sxm(world_size={size}))"
+        )
 
 
 def _group(c, world: int) -> int:
