@@ -46,7 +46,6 @@ from ._collectives import ReduceScatterFlat
 from ._layout import Layout
 from ._pipe_saved import Recorder, saved_bytes
 from ._shard import gather_full
-from ._stage_remat import StageRemat
 from ._stages import Cut
 from .pipeline import Action, ActionKind, PipelineSchedule
 
@@ -409,8 +408,7 @@ def _backward(a: Action, st: _Stage, stages, program, schedule, last, ready, mes
     else:
         diff_params = [p for p in st.leaves if p.requires_grad]
         targets = diff_params + diff_inputs
-        remat = getattr(program.call, "__self__", None)  # a StageRemat's run, or the plain program
-        with remat.full_backward() if isinstance(remat, StageRemat) else contextlib.nullcontext():
+        with program.remat.full_backward() if program.remat is not None else contextlib.nullcontext():
             if targets and pairs and st.tree is None:
                 cots = _accumulating_backward(st, pairs, targets, diff_inputs)
             else:

@@ -265,9 +265,9 @@ class PipelineStep(StageFigures):
                 cut = cut.relaying()
             if isinstance(self.remat, RematPolicy):  # each chosen unit's activations recomputed in its backward
                 last = self.num_stages - 1
-                cut = cut._replace(stages=tuple(p._replace(call=StageRemat(
-                    p.module, [self._unit_of_leaf[i] for i in p.params], self._units, self.remat, p.index == last).run)
-                    for p in cut.stages))  # fmt: skip
+                remats = [StageRemat(p.module, [self._unit_of_leaf[i] for i in p.params], self._units, self.remat, p.index == last)
+                          for p in cut.stages]  # fmt: skip
+                cut = cut._replace(stages=tuple(p._replace(call=r.run, remat=r) for p, r in zip(cut.stages, remats)))
             if self.compile:  # each stage's forward (and, through AOTAutograd, its backward) fused by inductor
                 cut = cut._replace(stages=tuple(p._replace(call=torch.compile(p.module, backend="inductor", fullgraph=True, dynamic=False))
                                                 for p in cut.stages))  # fmt: skip

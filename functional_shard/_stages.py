@@ -66,6 +66,7 @@ class StageProgram(NamedTuple):
     batch: tuple[int, ...]  # batch leaf indices it reads
     local: tuple[int, ...]  # full-tree leaf indices of module buffers it reads
     call: Any = None  # `module`'s torch.compile'd form (a step with compile=True), or None: run `module`
+    remat: Any = None  # the `StageRemat` whose `run` is `call` (a step with a remat policy), or None
 
 
 class Cut(NamedTuple):
