@@ -255,7 +255,7 @@ def test_a_pipeline_of_unsharded_stages_is_predicted_without_gathered_copies(loc
     the optimizer's update, after the last backward: the state, its new copy, every mean gradient
     and one unit's temporaries (+0.0 %; −28 % when only the pipeline phase was counted). With
     selective checkpointing −3.0 % (−9.0 % while a B held its micro-batch's gradients beside the
-    stage's sums until its whole backward returned, `_pipe_run._accumulating_backward`)."""
+    stage's sums until its whole backward returned, `_pipe_backward._accumulating_backward`)."""
     measured = max(local_world(2).run(_pipeline_peak, run))
     (c,) = fs.analysis.plan_layouts(
         _build_real, batch, layers=6, world_size=2, global_batch=8, tokens_per_row=LENGTH, machine=MACHINE,
