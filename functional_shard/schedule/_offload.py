@@ -104,6 +104,26 @@ def _last_write(gm: fx.GraphModule, source: fx.Node, copy: fx.Node) -> fx.Node:
     return last
 
 
+def _next_write(gm: fx.GraphModule, source, copy: fx.Node) -> fx.Node | None:
+    """The first node after `copy` that writes `source`'s storage in place (directly or through a
+    view of it made anywhere before), or None."""
+    if not isinstance(source, fx.Node):
+        return None
+    storage, after = {source}, False
+    for node in gm.graph.nodes:
+        if node is copy:
+            after = True
+            continue
+        if not set(node.all_input_nodes) & storage:
+            continue
+        written = set(written_inputs(node)) & storage
+        if after and written:
+            return node
+        if _is_view(node) or written or _returns_alias(node):
+            storage.add(node)
+    return None
+
+
 def _returns_alias(node: fx.Node) -> bool:
     """An in-place operation returns the tensor it wrote (`mul_` returns its `self`)."""
     schema = _schema(node)
@@ -176,6 +196,9 @@ def _before_first_reader(gm: fx.GraphModule, copy: fx.Node) -> None:
     if not readers:
         return
     first = min(readers, key=order.__getitem__)
+    write = _next_write(gm, copy_source(copy), copy)
+    if write is not None and order[write] < order[first]:
+        first = write  # an in-place write of what it copies (a hoisted weight decay): the copy reads before it
     inputs_ready = all(
         order[i] < order[first] for a in chain for i in a.all_input_nodes if i is not copy and i not in chain
     )
