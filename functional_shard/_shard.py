@@ -248,6 +248,11 @@ def gather_kept(layout: Layout, shards, mesh: BaseMesh, kept=None) -> list[torch
         if kept is not None and not spec.trainable:
             out.append(kept[k])
             continue
-        cast = shard.contiguous() if spec.gather_dtype == shard.dtype else shard.to(spec.gather_dtype)
+        if spec.gather_dtype != shard.dtype:
+            cast = shard.to(spec.gather_dtype)
+        elif layout.num_shards == 1:  # the gather of one is the shard itself: the kept buffer gets its own memory,
+            cast = shard.clone()  # which a donated step's next update (writing the shard in place) must not change
+        else:
+            cast = shard.contiguous()
         out.append(gather_bytes(cast, mesh, None))
     return out
