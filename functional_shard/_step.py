@@ -335,6 +335,10 @@ class ShardedStep:
         """CPU offload: the offloaded units' shards and optimizer state moved to host memory."""
         layout = state.params.layout
         chosen = [self.schedule.offload.selects(spec.unit) for spec in layout.buffers]
+        named = self.schedule.offload.units
+        units = sorted({spec.unit for spec in layout.buffers})
+        if isinstance(named, tuple) and (unknown := [u for u in named if u not in units]):
+            raise StepError(f"Schedule(offload={self.schedule.offload!r}): no unit named {unknown} in this step; its units are {units}")
         if not any(chosen):
             raise StepError(
                 f"Schedule(offload={self.schedule.offload!r}) selects none of this step's units "

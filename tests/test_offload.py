@@ -257,9 +257,14 @@ def test_offload_refusals():
         params, loss_fn = build()
         with pytest.raises(ValueError, match="canonical_chunks"):
             fs.sharded_step(loss_fn, mesh, optimizer=fs.optim.sgd(0.1), canonical_chunks=2, schedule=fs.Schedule(offload=True))
-        step = fs.sharded_step(loss_fn, mesh, optimizer=fs.optim.sgd(0.1), schedule=fs.Schedule(offload=Offload(units=("nope",))))
+        step = fs.sharded_step(loss_fn, mesh, optimizer=fs.optim.sgd(0.1), schedule=fs.Schedule(offload=Offload(units=lambda u: False)))
         with pytest.raises(fs.StepError, match="selects none"):
             step.init(params)
+        # a misspelled unit beside a real one offloaded the real one silently (an adversarial pass)
+        for units in (("nope",), ("blocks.1", "outptu")):
+            step = fs.sharded_step(loss_fn, mesh, optimizer=fs.optim.sgd(0.1), schedule=fs.Schedule(offload=Offload(units=units)))
+            with pytest.raises(fs.StepError, match=r"no unit named \['(nope|outptu)'\] in this step; its units are \[.*'blocks.1'"):
+                step.init(params)
 
 
 def test_analysis_reports_host_and_device_bytes_apart():
