@@ -472,11 +472,13 @@ def _evaluate_chunks(fn: StepFunction, layout: Layout, leaves, local, batch) -> 
     with _tracing.phase("update"):
         losses = [o[0] for o in outs]
         if isinstance(outs[0][1], torch.Tensor):
-            pairs = torch.stack([torch.stack([o[0].float() * o[1], o[1]]) for o in outs])
+            # a chunk of weight 0 (every label ignored) adds 0, not its NaN mean (as the training step)
+            pairs = torch.stack([torch.stack([weighted_term(o[0], o[1]), o[1]]) for o in outs])
             sums = _canonical.tree_sum(_canonical.chunk_values(pairs, mesh))
             mean = (sums[0] / sums[1]).reshape(())
             w = sum(o[1] for o in outs[1:]) + outs[0][1]
-            loss = (sum(l.float() * o[1] for l, o in zip(losses, outs)) / w).to(losses[0].dtype)
+            loss = (sum((weighted_term(l, o[1]) for l, o in zip(losses[1:], outs[1:])), weighted_term(losses[0], outs[0][1])) / w)
+            loss = loss.to(losses[0].dtype)
         else:
             mean = (_canonical.tree_sum(_canonical.chunk_values(torch.stack([l.float() for l in losses]), mesh)) / canon.chunks).reshape(())
             loss = (sum(l.float() for l in losses) / len(losses)).to(losses[0].dtype)

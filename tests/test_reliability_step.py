@@ -321,14 +321,18 @@ def weighted_with_an_empty_microbatch(mesh):
     y = torch.roll(x, -1, 1)
     y[:2] = -100  # micro-batch 0: no tokens (its mean cross-entropy is 0/0)
     _, metrics = step(step.init(params), (x, y))
+    canonical = fs.sharded_step(loss_fn, mesh, optimizer=fs.optim.sgd(0.1), canonical_chunks=2, schedule=fs.Schedule(trace=False))
+    evaluated = canonical.evaluate(canonical.init(params), (x, y))  # chunk 0: no tokens
     model = _tiny_gpt()
     loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
     loss.backward()
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
-    return float(metrics["loss"]), float(metrics["grad_norm"]), bool(metrics["skipped"]), float(loss.detach()), float(norm)
+    return float(metrics["loss"]), float(metrics["grad_norm"]), bool(metrics["skipped"]), float(evaluated["loss"]), float(loss.detach()), float(norm)
 
 
 def test_a_microbatch_without_tokens_weighs_nothing_in_the_reported_loss():
-    """WeightedLoss's mean form: 0 x NaN made metrics['loss'] NaN; the gradient was right."""
-    (loss, norm, skipped, expected_loss, expected_norm), = fs.testing.SimulatedWorld(1).run(weighted_with_an_empty_microbatch)
+    """WeightedLoss's mean form: 0 x NaN made metrics['loss'] NaN; the gradient was right. The
+    same in a layout-invariant step's evaluate, whose chunk of weight 0 made its loss NaN."""
+    (loss, norm, skipped, evaluated, expected_loss, expected_norm), = fs.testing.SimulatedWorld(1).run(weighted_with_an_empty_microbatch)
     assert not skipped and abs(loss - expected_loss) < 1e-5 and abs(norm / expected_norm - 1) < 1e-5, (loss, expected_loss, norm)
+    assert abs(evaluated - expected_loss) < 1e-5, (evaluated, expected_loss)
