@@ -287,7 +287,9 @@ class PipelineStep(StageFigures):
         except StepError as e:
             error = e
         self._together(operation, error, "refused their batch")
-        agree(self.mesh, operation, self._facts if self.mesh.world_size > 1 else ())
+        # an evaluation's count follows its batch's rows: ranks with other rows would run other schedules
+        counted = (f"step.evaluate cuts the batch into {count} micro-batches (the ranks' batches must have rows that cut alike)",)
+        agree(self.mesh, operation, (*self._facts, *(counted if forward_only else ())) if self.mesh.world_size > 1 else ())
         cut = self._cut(micro[0])
         flat = [tree_flatten(m)[0] for m in micro]
         local = {i: sharded.local[k] for k, i in enumerate(_local_full(self._leaf_index, sharded.layout))}
@@ -373,7 +375,8 @@ class PipelineStep(StageFigures):
     def _eval_count(self, batch: Any) -> int:
         """The micro-batches an evaluation cuts `batch` into: the step's, or, for a batch they do
         not divide (a short last batch), the most, up to the step's, that cut its rows into equal
-        parts (the loss is the mean over equal micro-batches, as over the whole batch)."""
+        parts. The loss is the mean of the micro-batches' losses (weighted with `fs.WeightedLoss`:
+        then the whole batch's weighted mean exactly; a plain mean over padded tokens is not)."""
         if self.canonical is not None:
             return self.microbatches
         rows = {t.shape[0] for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor) and t.dim() > 0}

@@ -363,3 +363,21 @@ def test_evaluate_takes_a_batch_the_micro_batches_do_not_divide():
     with fs.testing.LocalWorld(2, axes={"pp": 2}) as world:
         for got in world.run(_evaluate_short_batches):
             assert all(abs(g - e) <= 1e-6 * abs(e) for g, e in zip(got, expected)), (got, expected)
+
+
+def evaluate_one(mesh, rows_by_rank):
+    mesh = mesh_of(mesh, PP2)
+
+    def run():
+        step, params = make_step(mesh, microbatches=4)
+        step.evaluate(step.init(params), batch(rows_by_rank[mesh.rank]))
+
+    return outcome(run)
+
+
+def test_evaluate_of_batches_cut_into_other_counts_is_refused_on_every_rank(world):
+    """8 rows on one pipeline rank, 6 on the other: each cut them into the most equal micro-batches
+    up to 4 (4 and 3), the micro-batch shape the same, and the ranks ran other schedules until the
+    collective timeout (an adversarial pass). Now the count is part of what the ranks agree on."""
+    for rank, (kind, message, _) in enumerate(world.run(evaluate_one, rows_by_rank=(8, 6))):
+        assert kind == "MeshError" and "cuts the batch into 4 micro-batches" in message and "into 3" in message, (rank, message)
