@@ -219,6 +219,9 @@ def test_data_rank_reads_the_data_axes_of_the_mesh():
     assert run({"fsdp": 2}, error_of, lambda axes, mesh: fs.data.data_rank(mesh, axes), ("dp",))[0] == (
         "ValueError: data axes ['dp'] must be distinct axes of the mesh {'fsdp': 2}; not axes of it: ['dp']"
     )
+    # a model-parallel axis named as a data axis gave the tp partners different samples (an adversarial pass)
+    got = run({"fsdp": 2, "tp": 2}, error_of, lambda axes, mesh: fs.data.data_rank(mesh, axes), ("tp",))
+    assert all("data axes ['tp'] name model-parallel axes ['tp']" in g and "must get the same samples" in g for g in got), got
 
 
 # --- settings refused --------------------------------------------------------------------------------

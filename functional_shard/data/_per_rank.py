@@ -64,6 +64,13 @@ def data_rank(mesh: BaseMesh, axes: tuple[str, ...] | list[str] | None = None) -
         unknown = [a for a in axes if a not in names]
         if unknown or len(set(axes)) != len(axes):
             raise ValueError(f"data axes {list(axes)} must be distinct axes of the mesh {mesh.shape}; not axes of it: {unknown}")
+        split = [a for a in axes if a in MODEL_PARALLEL_AXES]
+        if split:  # its ranks hold parts of one model: each must see the samples the others see
+            raise ValueError(
+                f"data axes {list(axes)} name model-parallel axes {split} of the mesh {mesh.shape}: the ranks along "
+                f"them split the model and must get the same samples; name data axes only (default: every axis "
+                f"but {list(MODEL_PARALLEL_AXES)})"
+            )
         axes = tuple(a for a in names if a in axes)  # mesh order, whatever order they were given in
     coordinates, sizes = mesh.coordinates, mesh.shape
     index, size = 0, 1
