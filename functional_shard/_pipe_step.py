@@ -41,7 +41,7 @@ from ._shard import Sharded, _check_shards, shard_leaves
 from ._stage_assign import assign_stages
 from ._stage_remat import StageRemat
 from ._stages import Cut, cut_stages
-from ._state import StepState, _StepKey, check_is_state, check_not_donated
+from ._state import StepState, _StepKey, check_is_state, check_not_donated, check_seed
 from ._tree import BUFFER, FROZEN, TRAINABLE, ModuleParams
 from .optim import LeafLayout, global_norm
 from .pipeline import Action, Pipeline, PipelineSchedule, ScheduleError, build_schedule, check, with_communication
@@ -138,6 +138,7 @@ class PipelineStep(StageFigures):
         `tp`), build the optimizer state. A collective; see `ShardedStep.init`."""
         if values not in ("check", "trust"):
             raise ValueError(f"a pipelined step's init(values=...) is 'check' or 'trust'; got {values!r}")
+        check_seed(seed)
         error = None
         try:
             full_layout, leaves = make_layout(params, 1, units=self.units)

@@ -38,6 +38,12 @@ def check_is_state(state: Any, what: str) -> None:
                         "(call state = step.init(params) first, then state, metrics = step(state, batch))")
 
 
+def check_seed(seed: Any) -> None:
+    """Raises ValueError unless `seed` is an int a state can hold (a 0-d int64 tensor)."""
+    if not isinstance(seed, int) or isinstance(seed, bool) or not -(2**63) <= seed < 2**63:
+        raise ValueError(f"init(seed=...) must be an int in [-2**63, 2**63) (a state holds it as int64); got {seed!r}")
+
+
 def check_not_donated(state: "StepState", what: str) -> None:
     """Raises StepError if `state` was donated to a step (`donate=True`): its tensors were
     updated in place and now hold the values of the state that step returned."""

@@ -18,7 +18,7 @@ from ._jit import Jit, agree
 from ._layout import Layout, make_layout
 from ._mesh import BaseMesh, MeshError, PeerError
 from ._placed import CheckedLoss, check_same_layout, place, resolve_placements, split_leaves, styled_axes
-from ._state import StepState, _StepKey, check_is_state, check_not_donated  # noqa: F401 - re-exported (checkpoint, export)
+from ._state import StepState, _StepKey, check_is_state, check_not_donated, check_seed  # noqa: F401 - re-exported (checkpoint, export)
 from ._checks import (
     batch_facts, broadcast_from_rank0, check_leaves, check_same_values, optimizer_facts, refused_batch, scalar_facts,
     step_facts,
@@ -169,8 +169,7 @@ class ShardedStep:
         """
         if values not in ("check", "broadcast", "trust"):
             raise ValueError(f"init(values=...) must be 'check', 'broadcast' or 'trust'; got {values!r}")
-        if not isinstance(seed, int) or isinstance(seed, bool):
-            raise ValueError(f"init(seed=...) must be an int; got {seed!r}")
+        check_seed(seed)
         error = None
         try:
             placements = resolve_placements(params, self.placements, self.mesh)

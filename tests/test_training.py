@@ -659,6 +659,7 @@ def _first_week_mistakes(mesh):
         lambda: fs.sharded_step(lambda p, b: 0, {"fsdp": 1}, optimizer=optimizer),  # the axes, not a mesh
         lambda: step.init(model),  # the module, not its functionalized params
         lambda: step(fs.functionalize(model)[1], None),  # no step.init
+        lambda: step.init(fs.functionalize(model)[1], seed=2**63),  # was "Overflow when unpacking long long"
     ):
         try:
             mistake()
@@ -671,8 +672,9 @@ def _first_week_mistakes(mesh):
 def test_first_week_mistakes_say_what_to_do():
     """What a user of FSDP2 or DDP tries first: each names the fix (they were an argument-count
     TypeError at the first step, an AttributeError on a dict, a cut module repr, a bare type)."""
-    module, axes, init, no_init = fs.testing.SimulatedWorld(1).run(_first_week_mistakes)[0]
+    module, axes, init, no_init, seed = fs.testing.SimulatedWorld(1).run(_first_week_mistakes)[0]
     assert module.startswith("TypeError: sharded_step takes loss_fn(params, batch)") and "fs.functionalize(model)" in module
     assert axes.startswith("TypeError: sharded_step's mesh must be a mesh made by fs.init_mesh") and "dict" in axes
     assert "pass the params of `apply_fn, params = fs.functionalize(model)`, not the module" in init, init
     assert "call state = step.init(params) first" in no_init, no_init
+    assert seed == "ValueError: init(seed=...) must be an int in [-2**63, 2**63) (a state holds it as int64); got 9223372036854775808"
