@@ -196,8 +196,9 @@ def scheduled_step(
         events=events,
         sequence=sequence,
         digest=_mesh._digest("\n".join(sequence)) or 1,
-        all_gather_bytes=sum(e.nbytes for e in events if e.event == "gather_issued"),
-        reduce_scatter_bytes=sum(e.nbytes for e in events if e.event == "reduce_scatter_issued"),
+        # the state's buffers: a tensor-parallel collective moves activations (what eager counts too)
+        all_gather_bytes=sum(e.nbytes for e in events if e.event == "gather_issued" and e.axis not in _mesh.MODEL_PARALLEL_AXES),
+        reduce_scatter_bytes=sum(e.nbytes for e in events if e.event == "reduce_scatter_issued" and e.axis not in _mesh.MODEL_PARALLEL_AXES),
         run=run,
         scheduled=scheduled,
     )
