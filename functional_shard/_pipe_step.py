@@ -32,7 +32,7 @@ from ._pipe_figures import StageFigures
 from ._pipe_mean import mean_of
 from ._pipe_run import PointToPoint, run_actions
 from ._pipe_saved import Recorder
-from ._placed import CheckedLoss, place, resolve_placements, styled_axes
+from ._placed import CheckedLoss, place, resolve_placements
 from ._pytree import tree_flatten, tree_map, tree_paths
 from .initialize import shard_from
 from ._microbatches import split_microbatches
@@ -167,7 +167,7 @@ class PipelineStep(StageFigures):
             # Placements are resolved on the whole tree (a rule may name another stage's leaves), then read per leaf.
             meta = tree_map(lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta"), params)
             every = resolve_placements(meta, self.placements, self.mesh)
-            self.loss_fn.styled = styled_axes(meta, self.placements, every)
+            self.loss_fn.place(meta, self.placements, every, self.mesh)
             by_path = dict(zip(paths, every)) if every is not None else {}
             placements = tuple(by_path.get(p) for p in tree_paths(sub)) if every is not None else None
             with torch.no_grad():

@@ -20,6 +20,7 @@ checkpoint or an export of the whole model needs from ranks that do not hold it)
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 from typing import Any, Sequence
@@ -30,6 +31,7 @@ from . import _tracing
 from ._agreement import digest
 from ._basemesh import gather_texts  # noqa: F401 - re-exported: checkpoints and export read it here
 from ._layout import Layout, make_layout
+from ._split_random import SplitRandom
 from ._mesh import BaseMesh, MeshError
 from ._pytree import tree_flatten, tree_paths, tree_unflatten
 from ._tree import BUFFER, leaf_roles
@@ -75,18 +77,33 @@ def check_parallelized(styled: dict[str, tuple[str, str]], seen: set, where: str
 
 class CheckedLoss:
     """`loss_fn`, checked on every call that the model axes its styled placements need
-    (`styled`, set by the step's `init`) saw tensor-parallel collectives (`check_parallelized`);
-    `loss_fn` itself where there are none."""
+    (`styled`, set by the step's `init`) saw tensor-parallel collectives (`check_parallelized`),
+    and that it draws no random numbers on activations split over a model axis (`SplitRandom`,
+    from the split leaves `init` placed); `loss_fn` itself where nothing is split."""
 
     def __init__(self, loss_fn: Any):
         self.loss_fn = loss_fn
         self.styled: dict[str, tuple[str, str]] = {}
+        self.split: tuple[str, ...] = ()  # the model axes leaves are split over
+        self.split_leaves: tuple[int, ...] = ()  # those leaves (flatten order of the parameters)
+        self.mesh: BaseMesh | None = None
         functools.update_wrapper(self, loss_fn, updated=())
 
+    def place(self, params: Any, rules: Any, placements: tuple | None, mesh: BaseMesh) -> None:
+        """Set what is checked from the step's `rules` and their `placements` on `params`."""
+        self.styled = styled_axes(params, rules, placements)
+        self.split = tuple(dict.fromkeys(p.axis for p in placements or () if p is not None))
+        self.split_leaves = tuple(i for i, p in enumerate(placements or ()) if p is not None)
+        self.mesh = mesh
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if not self.styled:
+        if not self.styled and not self.split:
             return self.loss_fn(*args, **kwargs)
-        with _tracing.recording_model_axes() as seen:
+        random = contextlib.nullcontext()
+        if self.split and args:
+            leaves = tree_flatten(args[0])[0]
+            random = SplitRandom(self.mesh, self.split, [leaves[i] for i in self.split_leaves if i < len(leaves)])
+        with _tracing.recording_model_axes() as seen, random:
             out = self.loss_fn(*args, **kwargs)
         check_parallelized(self.styled, seen, "loss_fn")
         return out

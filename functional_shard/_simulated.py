@@ -9,6 +9,7 @@ import threading
 
 import torch
 
+from . import _tracing
 from ._mesh import BaseMesh, _check_axes, _check_product, _coordinates, _shard_axis_of
 
 __all__ = ["SimulatedMesh"]
@@ -74,19 +75,28 @@ class SimulatedMesh(BaseMesh):
         total = _ordered_sum(self._exchange(full, (self.shard_axis,)))
         return total.chunk(self.num_shards)[self.shard_index].clone()
 
+    # Each says what it made to a `SplitRandom` following the call (a Mesh's are read by group name).
     def all_reduce_flat(self, x: torch.Tensor, axes: tuple[str, ...] | None = None) -> torch.Tensor:
         axes = self.axis_names if axes is None else axes
-        return _ordered_sum(self._exchange(x, tuple(axes)))
+        out = _ordered_sum(self._exchange(x, tuple(axes)))
+        _tracing.note_collective(out, axes, "whole")
+        return out
 
     def all_gather_world(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.cat(self._rendezvous.exchange(self.rank, x))
+        out = torch.cat(self._rendezvous.exchange(self.rank, x))
+        _tracing.note_collective(out, self.axis_names, "whole")
+        return out
 
     def all_gather_axis_flat(self, x: torch.Tensor, axis: str) -> torch.Tensor:
-        return torch.cat(self._exchange(x, (axis,)))
+        out = torch.cat(self._exchange(x, (axis,)))
+        _tracing.note_collective(out, (axis,), "whole")
+        return out
 
     def reduce_scatter_axis_flat(self, x: torch.Tensor, axis: str) -> torch.Tensor:
         total = _ordered_sum(self._exchange(x, (axis,)))
-        return total.chunk(self.shape[axis])[self.coordinates[axis]].clone()
+        out = total.chunk(self.shape[axis])[self.coordinates[axis]].clone()
+        _tracing.note_collective(out, (axis,), "split")
+        return out
 
 
     def all_to_all_axis_flat(self, x: torch.Tensor, axis: str) -> torch.Tensor:

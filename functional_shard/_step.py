@@ -17,7 +17,7 @@ from . import _canonical, _nonfinite, _random, _reference
 from ._jit import Jit, agree
 from ._layout import Layout, make_layout
 from ._mesh import BaseMesh, MeshError, PeerError
-from ._placed import CheckedLoss, check_same_layout, place, resolve_placements, split_leaves, styled_axes
+from ._placed import CheckedLoss, check_same_layout, place, resolve_placements, split_leaves
 from ._state import StepState, _StepKey, check_is_state, check_not_donated, check_seed  # noqa: F401 - re-exported (checkpoint, export)
 from ._checks import (
     batch_facts, broadcast_from_rank0, check_leaves, check_same_values, optimizer_facts, refused_batch, scalar_facts,
@@ -173,7 +173,7 @@ class ShardedStep:
         error = None
         try:
             placements = resolve_placements(params, self.placements, self.mesh)
-            self._loss.styled = styled_axes(params, self.placements, placements)
+            self._loss.place(params, self.placements, placements, self.mesh)
             full_layout, leaves = make_layout(
                 params, self.mesh.num_shards, units=self.units, precision=self.precision, blocks=self._blocks
             )
@@ -227,7 +227,7 @@ class ShardedStep:
                 `torch.device("meta")`, then `fs.functionalize`); only shapes and dtypes are read.
         """
         placements = resolve_placements(params, self.placements, self.mesh)
-        self._loss.styled = styled_axes(params, self.placements, placements)
+        self._loss.place(params, self.placements, placements, self.mesh)
         layout, leaves = place(params, placements, self.mesh, units=self.units, precision=self.precision, blocks=self._blocks)
         shards = [torch.empty(spec.shard_numel, dtype=spec.dtype, device="meta") for spec in layout.buffers]
         local = [torch.empty(leaves[i].shape, dtype=leaves[i].dtype, device="meta") for i in layout.local]

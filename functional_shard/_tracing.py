@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import threading
-from typing import Any, Iterator, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import torch.compiler
 
@@ -52,6 +52,7 @@ _MICROBATCH: contextvars.ContextVar[int | None] = contextvars.ContextVar("functi
 _RANDOM_BASE: contextvars.ContextVar[int | None] = contextvars.ContextVar("functional_shard_random_base", default=None)
 _ADJOINT_OPS: contextvars.ContextVar[bool] = contextvars.ContextVar("functional_shard_adjoint_ops", default=False)
 _MODEL_AXES: contextvars.ContextVar[set | None] = contextvars.ContextVar("functional_shard_model_axes", default=None)
+_COLLECTIVE_NOTE: contextvars.ContextVar[Any] = contextvars.ContextVar("functional_shard_collective_note", default=None)
 
 
 @contextlib.contextmanager
@@ -145,6 +146,24 @@ def recording_model_axes() -> Iterator[set]:
         yield seen
     finally:
         _MODEL_AXES.reset(token)
+
+
+@contextlib.contextmanager
+def noting_collectives(callback: Callable[[Any, Sequence[str], str], None]) -> Iterator[None]:
+    """Within the block, `note_collective` calls `callback(out, axes, kind)` (`_split_random`)."""
+    token = _COLLECTIVE_NOTE.set(callback)
+    try:
+        yield
+    finally:
+        _COLLECTIVE_NOTE.reset(token)
+
+
+def note_collective(out: Any, axes: Sequence[str], kind: str) -> None:
+    """What a collective run in Python (a `SimulatedMesh`'s) made over `axes`: `kind` "whole" (an
+    all-reduce or all-gather: the same on every rank) or "split" (a reduce-scatter)."""
+    callback = _COLLECTIVE_NOTE.get()
+    if callback is not None:
+        callback(out, axes, kind)
 
 
 def note_model_axis(axis: str) -> None:

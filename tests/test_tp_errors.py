@@ -10,6 +10,7 @@ alone must not leave the others waiting for the collective timeout.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -19,6 +20,7 @@ from torch import nn
 import functional_shard as fs
 import functional_shard.tensor_parallel as tp
 from functional_shard.models import GPT, GPTConfig
+from _meshes import mesh_of
 
 CONFIG = GPTConfig(vocab_size=64, block_size=8, n_layer=1, n_head=4, d_model=16)
 
@@ -374,3 +376,54 @@ def test_styled_rules_on_a_model_never_parallelized_are_refused():
         assert name == "PlacementError", (name, message)
         for part in ("'colwise' over 'tp'", "no tensor-parallel collective", "fs.tensor_parallel.parallelize(model, rules, mesh)"):
             assert part in message, (part, message)
+
+
+def dropout_under_tp(mesh, trace: bool):
+    """A GPT with dropout at {"tp": 2}: its attention weights (the rank's own heads) would get the
+    same mask on both ranks (an adversarial pass: 32 of 32 mask bits equal on the two halves of a
+    split layer); refused, traced and eager, on every rank. With the attention dropout at 0, the
+    residual and embedding dropouts (on activations every rank holds whole, after the row-parallel
+    all-reduce) train, the ranks' whole leaves stay equal, traced == eager. In eval mode (no random
+    draw) it evaluates."""
+    mesh = mesh_of(mesh, {"tp": 2})
+    config = dataclasses.replace(CONFIG, dropout=0.1)
+    rules = fs.tensor_parallel.gpt_rules(config)
+    ids = torch.zeros(2, 8, dtype=torch.long)
+
+    def make(attention_dropout: float, training: bool = True, trace: bool = trace):
+        torch.manual_seed(0)
+        model = fs.tensor_parallel.parallelize(GPT(config), rules, mesh)
+        for block in model.blocks:
+            block.attn.attn_dropout.p = attention_dropout
+        model.train(training)
+        apply_fn, params = fs.functionalize(model)
+        step = fs.sharded_step(lambda p, ids: apply_fn(p, ids).float().mean(), mesh, optimizer=fs.optim.sgd(0.1),
+                               placements=rules, schedule=fs.Schedule(trace=trace))  # fmt: skip
+        return step, step.init(params, values="trust")
+
+    step, state = make(0.1)
+    try:
+        step(state, ids)
+        refused = None
+    except fs.StepError as error:
+        refused = str(error)
+    step, state = make(0.1, training=False)
+    evaluated = bool(torch.isfinite(step.evaluate(state, ids)["loss"]))
+    trained = {}
+    for t in (trace, False):
+        step, state = make(0.0, trace=t)
+        for _ in range(2):
+            state, _ = step(state, ids)
+        trained[t] = fs.gather(state.params, full=True).trainable
+    whole = {k: v for k, v in trained[trace].items() if "ln" in k or "pos_emb" in k or "proj.bias" in k}
+    return refused, evaluated, fs.tree_leaves(whole), all(torch.equal(a, b) for a, b in zip(fs.tree_leaves(trained[trace]), fs.tree_leaves(trained[False])))
+
+
+@pytest.mark.parametrize("trace", [False, True])
+def test_random_numbers_on_a_split_activation_are_refused(local_world, trace):
+    (r0, e0, whole0, same0), (r1, e1, whole1, same1) = local_world(2).run(dropout_under_tp, trace)
+    for refused in (r0, r1):
+        assert refused is not None and "draws random numbers" in refused and "split over ['tp']" in refused, refused
+        assert "Set that dropout's probability to 0" in refused
+    assert e0 and e1 and same0 and same1
+    assert whole0 and all(torch.equal(a, b) for a, b in zip(whole0, whole1))  # one mask on what both ranks hold

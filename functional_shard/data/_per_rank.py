@@ -172,7 +172,8 @@ class DataParallelSampler(torch.utils.data.Sampler):
             (each epoch leaves out others): every sample is seen at most once per epoch, each
             step is a full batch. With False the epoch has `ceil(len / batch_size)` steps and
             the last batch is completed with the epoch's first samples (as `DistributedSampler`
-            pads): every sample at least once, the first few twice.
+            pads): every sample at least once, the epoch's first ones more (a batch larger
+            than the dataset repeats them as many times as it takes).
         start_step: the first step to yield (a checkpoint's `int(state.step)`): the sampler
             starts in its epoch (`epoch` is set to it) and never yields an earlier step, so a
             resumed run gets the batches an uninterrupted one would have.
