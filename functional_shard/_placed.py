@@ -78,8 +78,8 @@ def check_parallelized(styled: dict[str, tuple[str, str]], seen: set, where: str
 class CheckedLoss:
     """`loss_fn`, checked on every call that the model axes its styled placements need
     (`styled`, set by the step's `init`) saw tensor-parallel collectives (`check_parallelized`),
-    and that it draws no random numbers on activations split over a model axis (`SplitRandom`,
-    from the split leaves `init` placed); `loss_fn` itself where nothing is split."""
+    and with random numbers on activations split over a model axis drawn per rank or refused
+    (`SplitRandom`, from the split leaves `init` placed); `loss_fn` itself where nothing is split."""
 
     def __init__(self, loss_fn: Any):
         self.loss_fn = loss_fn

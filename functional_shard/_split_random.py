@@ -1,23 +1,29 @@
-"""Random numbers on activations split over a model-parallel axis: refused (`SplitRandom`).
+"""Random numbers on activations split over a model-parallel axis: drawn per rank (`SplitRandom`).
 
 A step seeds torch's generators per data rank (`_random.stream`), so the ranks of a `tp` group
 draw the same numbers: a dropout on an activation they all hold (the residual stream after a
 row-parallel layer's all-reduce) gets one mask, as it must. On an activation split over the
-axis (a column-parallel layer's output, the attention weights of the rank's own heads, a fused
-attention's `dropout_p` on them) the same numbers make each rank's piece of the mask the same:
-masks that repeat across the ranks, where one process draws them independently (an adversarial
-pass: 32 of 32 mask bits equal on the two halves of a split hidden layer). Megatron draws those
-from a stream per tensor-parallel rank; fs refuses them, naming the operation and the axis.
+axis (a column-parallel layer's output, the attention weights of the rank's own heads) the same
+numbers would make each rank's piece of the mask the same: masks that repeat across the ranks,
+where one process draws them independently (an adversarial pass measured 32 of 32 mask bits
+equal on the two halves of a split layer, before 2026-11-29).
+
+So, as Megatron draws those from a stream per tensor-parallel rank, `F.dropout` / `nn.Dropout`
+on a split activation draws the masks of all the ranks over the split axes from the shared
+stream (`[ranks, *shape]`, what CPU dropout draws for one) and keeps its own: independent masks,
+every rank's stream left where the others' is. Any other random operation on a split tensor
+(fused attention's `dropout_p`, `bernoulli(x)`, channel or alpha dropout) is refused with a
+`StepError` naming it and the axis. Under sequence parallelism `nn.Dropout` is
+`tensor_parallel._sequence`'s, which draws the whole activation's mask (the single process's).
 
 While `loss_fn` runs, `SplitRandom` (a dispatch mode) follows which tensors vary over the split
-axes: the parameters split over them, and every output of an operation that reads one, except
-what a collective over such an axis makes whole (an all-reduce or all-gather: the same on every
-rank), while a reduce-scatter over it splits. A random operation that reads a varying tensor
-(`dropout`'s `empty_like(x)` and `bernoulli_`, fused attention with `dropout_p > 0`) raises
-`StepError`. Draws on tensors made whole — `nn.Dropout` under sequence parallelism draws the whole
-activation's mask and keeps the rank's slice (`tensor_parallel._sequence`) — are untouched.
-Collectives are read by their process group's name (`Mesh`); a `SimulatedMesh`, whose
-collectives are Python, says what it made (`_tracing.note_collective`).
+axes: the parameters split over them (through `torch.func`'s wrappers), and every output of an
+operation that reads one, except what a collective over such an axis makes whole (an
+all-reduce or all-gather: the same on every rank), while a reduce-scatter over it splits. A
+function mode sees the dropout calls with their activation (their aten form draws from a fresh
+`empty`, which no longer reads it). Collectives are read by their process group's name (`Mesh`;
+a pipeline stage's trace issues them as `functional_shard::tp_collective`, read by kind); a
+`SimulatedMesh`, whose collectives are Python, says what it made (`_tracing.note_collective`).
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ _SPLIT = frozenset({"reduce_scatter_tensor", "reduce_scatter_tensor_coalesced", 
 
 
 class SplitRandom(TorchDispatchMode):
-    """Refuses a random operation on a tensor that varies over `axes` (see the module)."""
+    """Random operations on tensors that vary over `axes`: dropout per rank, others refused (see the module)."""
 
     def __init__(self, mesh: Any, axes: Sequence[str], split: Sequence[torch.Tensor]):
         super().__init__()
@@ -51,6 +57,9 @@ class SplitRandom(TorchDispatchMode):
             for level in _levels(t):
                 self.varying[level] = True
         self.groups = _group_axes(mesh)
+        self.size, self.index = 1, 0  # ranks over the split axes, and this one's row-major index among them
+        for axis in self.axes:
+            self.size, self.index = self.size * mesh.shape[axis], self.index * mesh.shape[axis] + mesh.coordinates[axis]
 
     def __enter__(self):
         self._outer = contextlib.ExitStack()
@@ -74,11 +83,10 @@ class SplitRandom(TorchDispatchMode):
     def refuse(self, what: str) -> None:
         raise StepError(
             f"loss_fn draws random numbers ({what}) on an activation split over {list(self.axes)}: every rank of "
-            f"{self.axes[0]!r} draws the same ones, so its dropout mask would repeat across the ranks' pieces "
-            f"(Megatron draws these from a stream per tensor-parallel rank; fs does not yet). Set that dropout's "
-            f"probability to 0 (attention dropout: most large language models train without), or train without "
-            f"tensor parallelism; dropout on activations every rank holds whole, and nn.Dropout under sequence "
-            f"parallelism, draw correctly"
+            f"{self.axes[0]!r} would draw the same ones, repeating the mask across the ranks' pieces. fs draws "
+            f"per rank for F.dropout / nn.Dropout only; use one of those (for attention, dropout on the attention "
+            f"weights instead of the fused kernel's dropout_p), set this one's probability to 0 (most large language "
+            f"models train without), or train without tensor parallelism"
         )
 
     def mark(self, out: Any, varying: bool) -> None:
@@ -99,6 +107,10 @@ class SplitRandom(TorchDispatchMode):
             group = next((a for a in reversed(args) if isinstance(a, str)), None)
             if set(self.groups.get(group, ())) & set(self.axes):
                 varying = func._opname in _SPLIT
+        elif func.namespace == "functional_shard" and func._opname == "tp_collective":  # a pipeline stage's trace
+            kind, groups = args[1], (args[3], args[4])
+            if kind != "copy" and any(set(self.groups.get(g, (g.removeprefix("abstract:"),))) & set(self.axes) for g in groups):
+                varying = kind in ("reduce_scatter", "scatter")
         if varying:
             self.mark(out, True)
         return out
@@ -114,19 +126,39 @@ class _RandomCalls(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is _F.scaled_dot_product_attention:
+            dropout_p = args[4] if len(args) > 4 else kwargs.get("dropout_p", 0.0)
+            if dropout_p != 0 and any(self.split.varies(t) for t in args[:3]):
+                self.split.refuse(f"scaled_dot_product_attention, dropout_p={dropout_p}")
         if func in _DROPOUTS and args and self.split.varies(args[0]):
             p = args[1] if len(args) > 1 else kwargs.get("p", 0.5)
-            training = args[2] if len(args) > 2 else kwargs.get("training", True)
+            training = args[2] if len(args) > 2 else kwargs.get("train", kwargs.get("training", True))
             if training and p != 0:
-                self.split.refuse(f"{func.__name__}, p={p}")
+                if func not in _ELEMENTWISE:
+                    self.split.refuse(f"{func.__name__}, p={p}")
+                inplace = (args[3] if len(args) > 3 else kwargs.get("inplace", False)) if func is _F.dropout else False
+                return _per_rank_dropout(args[0], float(p), inplace, self.split.size, self.split.index)
         return func(*args, **kwargs)
 
 
-_DROPOUTS = frozenset({
-    torch.nn.functional.dropout, torch.nn.functional.dropout1d, torch.nn.functional.dropout2d, torch.nn.functional.dropout3d,
-    torch.nn.functional.alpha_dropout, torch.nn.functional.feature_alpha_dropout, torch.dropout, torch.alpha_dropout,
+def _per_rank_dropout(x: torch.Tensor, p: float, inplace: bool, size: int, index: int) -> torch.Tensor:
+    """`F.dropout(x, p)` on an activation split over ranks: the masks of all `size` ranks drawn
+    from the stream they share (what CPU dropout does, `bernoulli_(1 - p).div_(1 - p)`, on
+    `[size, *x.shape]`), this rank's (`index`) kept: independent masks for the ranks' pieces, and
+    every rank's stream left where the others' is (a later draw on a whole activation agrees)."""
+    if p == 1:
+        return x.mul_(0) if inplace else x * torch.zeros((), dtype=x.dtype, device=x.device)
+    noise = torch.empty((size, *x.shape), dtype=x.dtype, device=x.device).bernoulli_(1 - p).div_(1 - p)
+    mine = noise[index].clone(memory_format=torch.contiguous_format)  # the others' masks are not kept for the backward
+    return x.mul_(mine) if inplace else x * mine
+
+
+_F = torch.nn.functional
+_ELEMENTWISE = frozenset({_F.dropout, torch.dropout})  # drawn per rank; the others (channel, alpha) refused
+_DROPOUTS = _ELEMENTWISE | {
+    _F.dropout1d, _F.dropout2d, _F.dropout3d, _F.alpha_dropout, _F.feature_alpha_dropout, torch.alpha_dropout,
     torch.feature_dropout, torch.feature_alpha_dropout,
-})  # fmt: skip
+}  # fmt: skip
 
 
 def _levels(t: torch.Tensor) -> list[torch.Tensor]:

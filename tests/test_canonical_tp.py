@@ -1,8 +1,8 @@
 """Layout invariance and tensor parallelism (issue 28).
 
 - At a fixed `tp` degree, `canonical_chunks` makes training independent of the data-parallel
-  layout: `fs.models.GPT` (dropout on the embeddings and residual branches, activations every
-  `tp` rank holds whole; vocabulary-parallel embedding and loss, clipping, AdamW)
+  layout: `fs.models.GPT` (dropout: on the rank's own heads drawn per `tp` rank, elsewhere the
+  same on both; vocabulary-parallel embedding and loss, clipping, AdamW)
   at `{"fsdp": 1, "tp": 2}` and `{"fsdp": 2, "tp": 2}` gives the same parameters and losses,
   bit for bit. The tensor-parallel collectives see the same operands at both layouts (each
   data rank's chunks are computed alone, with the same shapes), so only the data-parallel
@@ -52,10 +52,7 @@ def train_gpt(_, axes: dict[str, int], chunks: int, steps: int, trace: bool = Fa
     mesh = fs.init_mesh(axes)
     torch.manual_seed(0)
     rules = tp.gpt_rules(GPT_CONFIG)
-    model = tp.parallelize(GPT(GPT_CONFIG), rules, mesh)
-    for block in model.blocks:  # on the rank's own heads it would repeat across tp: refused (_split_random)
-        block.attn.attn_dropout.p = 0.0
-    apply_fn, params = fs.functionalize(model)
+    apply_fn, params = fs.functionalize(tp.parallelize(GPT(GPT_CONFIG), rules, mesh))
 
     def loss_fn(p, batch):
         ids, targets = batch

@@ -378,52 +378,79 @@ def test_styled_rules_on_a_model_never_parallelized_are_refused():
             assert part in message, (part, message)
 
 
+class _Split(nn.Module):
+    """A column-parallel layer whose output is all ones, dropout, a row-parallel layer: with one
+    input row, d(sum of outputs) / d proj.weight[0, j] is 2 x the mask of hidden unit j."""
+
+    def __init__(self, hidden: int = 64):
+        super().__init__()
+        self.fc, self.drop, self.proj = nn.Linear(4, hidden), nn.Dropout(0.5), nn.Linear(hidden, 1)
+        with torch.no_grad():
+            self.fc.weight.zero_()
+            self.fc.bias.fill_(1.0)
+
+    def forward(self, x):
+        return self.proj(self.drop(self.fc(x)))
+
+
+SPLIT_RULES = [tp.Rule("fc.weight", tp.Split(0, "tp"), True, "colwise"), tp.Rule("fc.bias", tp.Split(0, "tp"), True, "colwise"),
+               tp.Rule("proj.weight", tp.Split(1, "tp"), True, "rowwise"), tp.Rule("proj.bias", tp.Replicated(), True, "rowwise")]  # fmt: skip
+
+
 def dropout_under_tp(mesh, trace: bool):
-    """A GPT with dropout at {"tp": 2}: its attention weights (the rank's own heads) would get the
-    same mask on both ranks (an adversarial pass: 32 of 32 mask bits equal on the two halves of a
-    split layer); refused, traced and eager, on every rank. With the attention dropout at 0, the
-    residual and embedding dropouts (on activations every rank holds whole, after the row-parallel
-    all-reduce) train, the ranks' whole leaves stay equal, traced == eager. In eval mode (no random
-    draw) it evaluates."""
+    """At {"tp": 2}: (1) the masks of a dropout between a column- and a row-parallel layer, read
+    off the gradient, for the whole hidden layer; (2) a GPT with dropout 0.1 everywhere trained
+    two steps (its attention dropout on the rank's own heads, its residual and embedding dropout
+    on activations both ranks hold); (3) a Hugging Face Llama whose sdpa gets dropout_p, refused."""
     mesh = mesh_of(mesh, {"tp": 2})
+    torch.manual_seed(0)
+    model = tp.parallelize(_Split(), SPLIT_RULES, mesh)
+    apply_fn, params = fs.functionalize(model)
+    step = fs.sharded_step(lambda p, x: apply_fn(p, x).sum(), mesh, optimizer=fs.optim.sgd(0.1), placements=SPLIT_RULES,
+                           schedule=fs.Schedule(trace=trace))  # fmt: skip
+    x = torch.randn(1, 4, generator=torch.Generator().manual_seed(0))
+    grads, _ = step.grad(step.init(params, seed=0), x)
+    mask = (fs.gather(grads, full=True).trainable["proj.weight"][0] / 2).tolist()
+
     config = dataclasses.replace(CONFIG, dropout=0.1)
     rules = fs.tensor_parallel.gpt_rules(config)
-    ids = torch.zeros(2, 8, dtype=torch.long)
-
-    def make(attention_dropout: float, training: bool = True, trace: bool = trace):
-        torch.manual_seed(0)
-        model = fs.tensor_parallel.parallelize(GPT(config), rules, mesh)
-        for block in model.blocks:
-            block.attn.attn_dropout.p = attention_dropout
-        model.train(training)
-        apply_fn, params = fs.functionalize(model)
-        step = fs.sharded_step(lambda p, ids: apply_fn(p, ids).float().mean(), mesh, optimizer=fs.optim.sgd(0.1),
-                               placements=rules, schedule=fs.Schedule(trace=trace))  # fmt: skip
-        return step, step.init(params, values="trust")
-
-    step, state = make(0.1)
-    try:
-        step(state, ids)
-        refused = None
-    except fs.StepError as error:
-        refused = str(error)
-    step, state = make(0.1, training=False)
-    evaluated = bool(torch.isfinite(step.evaluate(state, ids)["loss"]))
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
     trained = {}
     for t in (trace, False):
-        step, state = make(0.0, trace=t)
+        torch.manual_seed(0)
+        apply_fn, params = fs.functionalize(fs.tensor_parallel.parallelize(GPT(config), rules, mesh))
+        step = fs.sharded_step(lambda p, ids: apply_fn(p, ids).float().mean(), mesh, optimizer=fs.optim.sgd(0.1),
+                               placements=rules, schedule=fs.Schedule(trace=t))  # fmt: skip
+        state = step.init(params, values="trust")
         for _ in range(2):
             state, _ = step(state, ids)
         trained[t] = fs.gather(state.params, full=True).trainable
-    whole = {k: v for k, v in trained[trace].items() if "ln" in k or "pos_emb" in k or "proj.bias" in k}
-    return refused, evaluated, fs.tree_leaves(whole), all(torch.equal(a, b) for a, b in zip(fs.tree_leaves(trained[trace]), fs.tree_leaves(trained[False])))
+    whole = fs.tree_leaves({k: v for k, v in trained[trace].items() if "ln" in k or "pos_emb" in k or "proj.bias" in k})
+    same = all(torch.equal(a, b) for a, b in zip(fs.tree_leaves(trained[trace]), fs.tree_leaves(trained[False])))
+
+    llama = tiny_llama(attention_dropout=0.1, attn_implementation="sdpa")
+    hf_rules = fs.tensor_parallel.hf_rules(llama)
+    apply_fn, params = fs.functionalize(fs.tensor_parallel.parallelize(llama, hf_rules, mesh))
+    step = fs.sharded_step(lambda p, ids: apply_fn(p, input_ids=ids).logits.float().mean(), mesh, optimizer=fs.optim.sgd(0.1),
+                           placements=hf_rules, schedule=fs.Schedule(trace=trace))  # fmt: skip
+    try:
+        step(step.init(params, values="trust"), torch.zeros(2, 8, dtype=torch.long))
+        refused = None
+    except fs.StepError as error:
+        refused = str(error)
+    return mask, whole, same, refused
 
 
 @pytest.mark.parametrize("trace", [False, True])
-def test_random_numbers_on_a_split_activation_are_refused(local_world, trace):
-    (r0, e0, whole0, same0), (r1, e1, whole1, same1) = local_world(2).run(dropout_under_tp, trace)
-    for refused in (r0, r1):
-        assert refused is not None and "draws random numbers" in refused and "split over ['tp']" in refused, refused
-        assert "Set that dropout's probability to 0" in refused
-    assert e0 and e1 and same0 and same1
+def test_dropout_on_a_split_activation_draws_per_rank(local_world, trace):
+    """Before, both ranks drew the same mask for their halves (32 of 32 bits equal: an adversarial
+    pass); now each rank keeps its own of the masks drawn for all (Megatron's per-rank stream)."""
+    pytest.importorskip("transformers")
+    (mask0, whole0, same0, refused0), (mask1, whole1, same1, refused1) = local_world(2).run(dropout_under_tp, trace)
+    assert mask0 == mask1 and set(mask0) == {0.0, 1.0}, mask0  # the gathered gradient: the same on both ranks
+    assert mask0[:32] != mask0[32:] and 8 < sum(mask0) < 56, mask0  # independent halves, p = 0.5
+    assert same0 and same1  # traced == eager
     assert whole0 and all(torch.equal(a, b) for a, b in zip(whole0, whole1))  # one mask on what both ranks hold
+    for refused in (refused0, refused1):
+        assert refused is not None and "(scaled_dot_product_attention, dropout_p=0.1)" in refused and "split over ['tp']" in refused, refused
+        assert "fs draws per rank for F.dropout / nn.Dropout only" in refused
