@@ -19,7 +19,8 @@ every rank's stream left where the others' is. Any other random operation on a s
 While `loss_fn` runs, `SplitRandom` (a dispatch mode) follows which tensors vary over the split
 axes: the parameters split over them (through `torch.func`'s wrappers), and every output of an
 operation that reads one, except what a collective over such an axis makes whole (an
-all-reduce or all-gather: the same on every rank), while a reduce-scatter over it splits. A
+all-reduce or all-gather: the same on every rank), while a reduce-scatter over it, or the
+rank's slice of a whole tensor (`scatter_along`, sequence parallelism's first cut), splits. A
 function mode sees the dropout calls with their activation (their aten form draws from a fresh
 `empty`, which no longer reads it). Collectives are read by their process group's name (`Mesh`;
 a pipeline stage's trace issues them as `functional_shard::tp_collective`, read by kind); a

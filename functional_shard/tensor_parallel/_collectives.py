@@ -34,7 +34,7 @@ import torch
 
 from .._mesh import BaseMesh
 from ._placement import Placement, Replicated, join_pieces
-from .._tracing import adjoint_ops_enabled, carried, note_model_axis
+from .._tracing import adjoint_ops_enabled, carried, note_collective, note_model_axis
 from ._adjoint_ops import issue
 
 __all__ = [
@@ -81,7 +81,9 @@ def _reduce_scatter(x: torch.Tensor, dim: int, mesh: BaseMesh, axis: str) -> tor
 def _slice(x: torch.Tensor, dim: int, mesh: BaseMesh, axis: str) -> torch.Tensor:
     size = mesh.shape[axis]
     piece = x.shape[dim] // size
-    return x.narrow(dim, mesh.coordinates[axis] * piece, piece).contiguous()
+    out = x.narrow(dim, mesh.coordinates[axis] * piece, piece).contiguous()
+    note_collective(out, (axis,), "split")  # this rank's piece: it varies over the axis (`_split_random`)
+    return out
 
 
 def _all_reduce(x: torch.Tensor, mesh: BaseMesh, axis: str) -> torch.Tensor:
