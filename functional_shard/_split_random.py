@@ -93,10 +93,11 @@ class SplitRandom(TorchDispatchMode):
     def mark(self, out: Any, varying: bool) -> None:
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
-                if varying:
-                    self.varying[t] = True
-                else:
-                    self.varying.pop(t, None)
+                for level in _levels(t):
+                    if varying:
+                        self.varying[level] = True
+                    else:
+                        self.varying.pop(level, None)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -138,19 +139,22 @@ class _RandomCalls(TorchFunctionMode):
                 if func not in _ELEMENTWISE:
                     self.split.refuse(f"{func.__name__}, p={p}")
                 inplace = (args[3] if len(args) > 3 else kwargs.get("inplace", False)) if func is _F.dropout else False
-                return _per_rank_dropout(args[0], float(p), inplace, self.split.size, self.split.index)
+                return _per_rank_dropout(args[0], float(p), inplace, self.split)
         return func(*args, **kwargs)
 
 
-def _per_rank_dropout(x: torch.Tensor, p: float, inplace: bool, size: int, index: int) -> torch.Tensor:
-    """`F.dropout(x, p)` on an activation split over ranks: the masks of all `size` ranks drawn
-    from the stream they share (what CPU dropout does, `bernoulli_(1 - p).div_(1 - p)`, on
-    `[size, *x.shape]`), this rank's (`index`) kept: independent masks for the ranks' pieces, and
+def _per_rank_dropout(x: torch.Tensor, p: float, inplace: bool, split: SplitRandom) -> torch.Tensor:
+    """`F.dropout(x, p)` on an activation split over ranks: the masks of all `split.size` ranks
+    drawn from the stream they share (what CPU dropout does, `bernoulli_(1 - p).div_(1 - p)`, on
+    `[size, *x.shape]`), this rank's (`split.index`) kept: independent masks for the ranks' pieces, and
     every rank's stream left where the others' is (a later draw on a whole activation agrees)."""
     if p == 1:
         return x.mul_(0) if inplace else x * torch.zeros((), dtype=x.dtype, device=x.device)
-    noise = torch.empty((size, *x.shape), dtype=x.dtype, device=x.device).bernoulli_(1 - p).div_(1 - p)
-    mine = noise[index].clone(memory_format=torch.contiguous_format)  # the others' masks are not kept for the backward
+    # from `x` (new_empty): a pipeline's cut puts the draw on x's stage (a draw reading nothing is refused there)
+    noise = x.new_empty((split.size, *x.shape))
+    split.mark(noise, False)  # the draw is every rank's: the same on all
+    noise = noise.bernoulli_(1 - p).div_(1 - p)
+    mine = noise[split.index].clone(memory_format=torch.contiguous_format)  # the others' masks are not kept for the backward
     return x.mul_(mine) if inplace else x * mine
 
 

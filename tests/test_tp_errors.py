@@ -454,3 +454,34 @@ def test_dropout_on_a_split_activation_draws_per_rank(local_world, trace):
     for refused in (refused0, refused1):
         assert refused is not None and "(scaled_dot_product_attention, dropout_p=0.1)" in refused and "split over ['tp']" in refused, refused
         assert "fs draws per rank for F.dropout / nn.Dropout only" in refused
+
+
+def pipelined_dropout(mesh, sequence_parallel: bool):
+    """A GPT with dropout 0.1 at {"pp": 2, "tp": 2}, 1F1B: its attention dropout drawn per rank,
+    or with sequence parallelism every dropout the whole activation's mask. Both draws are made
+    from the activation (`new_empty`): a draw that reads no value was refused by the pipeline's
+    cut ("random numbers from the batch alone": an adversarial pass)."""
+    mesh = mesh_of(mesh, {"pp": 2, "tp": 2})
+    config = GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=2, d_model=16, dropout=0.1)
+    rules = tp.gpt_rules(config)
+    torch.manual_seed(0)
+    apply_fn, params = fs.functionalize(tp.parallelize(GPT(config), rules, mesh, sequence_parallel=sequence_parallel))
+
+    def loss_fn(p, batch):
+        ids, targets = batch
+        return tp.vocab_parallel_cross_entropy(apply_fn(p, ids).flatten(0, 1), targets.flatten(), mesh, "tp")
+
+    step = fs.sharded_step(loss_fn, mesh, optimizer=fs.optim.adamw(1e-2), placements=rules, microbatches=2,
+                           pipeline=fs.pipeline.Pipeline("1f1b"))  # fmt: skip
+    state = step.init(params, seed=0)
+    ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(1))
+    for _ in range(2):
+        state, metrics = step(state, (ids, ids.roll(-1, 1)))
+    return float(metrics["local_loss"]), mesh.coordinates["pp"]
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_pipelined_tensor_parallel_dropout_trains(local_world, sequence_parallel):
+    got = local_world(4).run(pipelined_dropout, sequence_parallel)
+    losses = {pp: {loss for loss, p in got if p == pp} for pp in (0, 1)}
+    assert all(len(v) == 1 for v in losses.values()), got  # the tp partners of a stage agree

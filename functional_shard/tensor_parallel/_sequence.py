@@ -53,7 +53,7 @@ from torch import nn
 
 from ._collectives import _all_gather, copy_to, gather_along, scatter_along
 from ._placement import PlacementError
-from .._tracing import adjoint_ops_enabled, carried
+from .._tracing import adjoint_ops_enabled, carried, note_collective
 
 __all__ = [
     "SEQUENCE_DIM",
@@ -143,7 +143,10 @@ class SequenceParallelDropout(_SequenceParallel):
         piece = shape[SEQUENCE_DIM]
         shape[SEQUENCE_DIM] = piece * size
         # What F.dropout does on the CPU (empty, bernoulli_(1 - p), div_(1 - p), multiply), on the whole activation.
-        noise = torch.empty(shape, dtype=x.dtype, device=x.device).bernoulli_(1 - self.p).div_(1 - self.p)
+        # from `x` (new_empty): a pipeline's cut puts the draw on x's stage (a draw reading nothing is refused there)
+        noise = x.new_empty(shape)
+        note_collective(noise, (axis,), "whole")  # the whole activation's mask: the same on every rank (`_split_random`)
+        noise = noise.bernoulli_(1 - self.p).div_(1 - self.p)
         # A copy, not a view: the backward keeps only this rank's slice of the mask alive.
         mine = noise.narrow(SEQUENCE_DIM, index * piece, piece).clone(memory_format=torch.contiguous_format)
         return x * mine
