@@ -160,6 +160,20 @@ def test_gqa_key_value_heads_not_divisible_by_tp_are_refused_by_init_and_paralle
     # The query heads (4) alone divide: tp 2 places the model.
     placed = tp.placements_for(params, rules, {"tp": 2})
     assert placed["model.layers.0.self_attn.k_proj.weight"] == tp.Split(0, "tp", granule=16)
+    # GPT-NeoX's fused query_key_value holds each head's q, k, v rows together: cut between heads
+    # (3 heads at tp 2 crashed inside transformers with a reshape error: an adversarial pass).
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    neox = GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=64, hidden_size=24, intermediate_size=48, num_hidden_layers=1,
+                                            num_attention_heads=3, tie_word_embeddings=False))  # fmt: skip
+    _, neox_params = fs.functionalize(neox)
+    assert_refused({"tp": 2}, neox_params, tp.hf_rules(neox), "PlacementError", "query_key_value.weight'", "3 units of 24 elements")
+    neox4 = GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                             num_attention_heads=4, tie_word_embeddings=False))  # fmt: skip
+    placed = tp.placements_for(fs.functionalize(neox4)[1], tp.hf_rules(neox4), {"tp": 2})
+    assert placed["gpt_neox.layers.0.attention.query_key_value.weight"] == tp.Split(0, "tp", granule=24)
+    assert placed["gpt_neox.layers.0.attention.dense.weight"] == tp.Split(1, "tp", granule=8)
+    assert placed["gpt_neox.layers.0.mlp.dense_4h_to_h.weight"] == tp.Split(1, "tp")
 
 
 # --- rules that do not fit the tree --------------------------------------------------------------

@@ -39,8 +39,16 @@ STYLES: dict[str, tuple[Placement, Placement]] = {
     "replicated_with_grad_allreduce": (_R, _R),
 }
 
-# Modules whose split dimension is made of attention heads: cut only between heads.
-_HEAD_PROJECTIONS = {"q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj"}
+# Modules whose split dimension is made of attention heads: cut only between heads (a fused
+# projection holding each head's q, k and v rows together, GPT-NeoX's, between groups of three).
+_HEAD_PROJECTIONS = {"q_proj": 1, "k_proj": 1, "v_proj": 1, "o_proj": 1, "qkv_proj": 1, "query_key_value": 3, "dense": 1}
+
+
+def _in_attention(key: str) -> bool:
+    """A plan key of an attention module's projection (`dense` is GPT-NeoX's attention output;
+    an MLP's `dense_*` or `mlp.dense` is not made of heads)."""
+    parts = key.split(".")
+    return parts[-1] != "dense" or any("attention" in p or "attn" in p for p in parts[:-1])
 
 
 def _on_axis(placement: Placement, axis: str, granule: int) -> Placement:
@@ -78,7 +86,8 @@ def rules_from_hf_plan(
                 f"module out of the plan (replicated)"
             )
         weight, bias = STYLES[style]
-        granule = head_dim if head_dim and key.rsplit(".", 1)[-1] in _HEAD_PROJECTIONS else 1
+        name = key.rsplit(".", 1)[-1]
+        granule = head_dim * _HEAD_PROJECTIONS[name] if head_dim and name in _HEAD_PROJECTIONS and _in_attention(key) else 1
         module = re.escape(prefix + key).replace(r"\*", r"\d+")
         for name, placement, must in (("weight", weight, required), ("bias", bias, False)):
             pattern = re.compile(rf"^{module}\.{name}$")
