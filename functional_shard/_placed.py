@@ -31,10 +31,10 @@ from . import _tracing
 from ._agreement import digest
 from ._basemesh import gather_texts  # noqa: F401 - re-exported: checkpoints and export read it here
 from ._layout import Layout, make_layout
-from ._split_random import SplitRandom
+from ._split_values import SplitValues, WholeLeafError
 from ._mesh import BaseMesh, MeshError
 from ._pytree import tree_flatten, tree_paths, tree_unflatten
-from ._tree import BUFFER, leaf_roles
+from ._tree import BUFFER, TRAINABLE, leaf_roles
 from ._units import Units
 from .tensor_parallel._placement import PlacementError, Split, placements_for, split_tensor
 
@@ -78,14 +78,16 @@ def check_parallelized(styled: dict[str, tuple[str, str]], seen: set, where: str
 class CheckedLoss:
     """`loss_fn`, checked on every call that the model axes its styled placements need
     (`styled`, set by the step's `init`) saw tensor-parallel collectives (`check_parallelized`),
-    and with random numbers on activations split over a model axis drawn per rank or refused
-    (`SplitRandom`, from the split leaves `init` placed); `loss_fn` itself where nothing is split."""
+    and, where leaves are split over a model axis, with what varies over it followed
+    (`SplitValues`: dropout on split activations drawn per rank, a whole trainable leaf used with
+    one refused); `loss_fn` itself where nothing is split."""
 
     def __init__(self, loss_fn: Any):
         self.loss_fn = loss_fn
         self.styled: dict[str, tuple[str, str]] = {}
         self.split: tuple[str, ...] = ()  # the model axes leaves are split over
         self.split_leaves: tuple[int, ...] = ()  # those leaves (flatten order of the parameters)
+        self.whole_leaves: tuple[tuple[int, str], ...] = ()  # the trainable leaves kept whole: (index, path)
         self.mesh: BaseMesh | None = None
         functools.update_wrapper(self, loss_fn, updated=())
 
@@ -94,17 +96,28 @@ class CheckedLoss:
         self.styled = styled_axes(params, rules, placements)
         self.split = tuple(dict.fromkeys(p.axis for p in placements or () if p is not None))
         self.split_leaves = tuple(i for i, p in enumerate(placements or ()) if p is not None)
+        if placements is not None:
+            paths, roles = tree_paths(params), leaf_roles(params)
+            self.whole_leaves = tuple((i, paths[i]) for i, p in enumerate(placements) if p is None and roles[i] == TRAINABLE)
         self.mesh = mesh
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not self.styled and not self.split:
             return self.loss_fn(*args, **kwargs)
-        random = contextlib.nullcontext()
+        followed = contextlib.nullcontext()
         if self.split and args:
             leaves = tree_flatten(args[0])[0]
-            random = SplitRandom(self.mesh, self.split, [leaves[i] for i in self.split_leaves if i < len(leaves)])
-        with _tracing.recording_model_axes() as seen, random:
-            out = self.loss_fn(*args, **kwargs)
+            followed = SplitValues(
+                self.mesh, self.split, [leaves[i] for i in self.split_leaves if i < len(leaves)],
+                [(path, leaves[i]) for i, path in self.whole_leaves if i < len(leaves)],
+            )  # fmt: skip
+        with _tracing.recording_model_axes() as seen:
+            try:
+                with followed:
+                    out = self.loss_fn(*args, **kwargs)
+            except WholeLeafError:
+                check_parallelized(self.styled, seen, "loss_fn")  # a model never parallelized: that is the fault
+                raise
         check_parallelized(self.styled, seen, "loss_fn")
         return out
 

@@ -75,7 +75,7 @@ class SimulatedMesh(BaseMesh):
         total = _ordered_sum(self._exchange(full, (self.shard_axis,)))
         return total.chunk(self.num_shards)[self.shard_index].clone()
 
-    # Each says what it made to a `SplitRandom` following the call (a Mesh's are read by group name).
+    # Each says what it made to a `SplitValues` following the call (a Mesh's are read by group name).
     def all_reduce_flat(self, x: torch.Tensor, axes: tuple[str, ...] | None = None) -> torch.Tensor:
         axes = self.axis_names if axes is None else axes
         out = _ordered_sum(self._exchange(x, tuple(axes)))

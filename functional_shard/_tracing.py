@@ -150,7 +150,7 @@ def recording_model_axes() -> Iterator[set]:
 
 @contextlib.contextmanager
 def noting_collectives(callback: Callable[[Any, Sequence[str], str], None]) -> Iterator[None]:
-    """Within the block, `note_collective` calls `callback(out, axes, kind)` (`_split_random`)."""
+    """Within the block, `note_collective` calls `callback(out, axes, kind)` (`_split_values`)."""
     token = _COLLECTIVE_NOTE.set(callback)
     try:
         yield

@@ -499,3 +499,33 @@ def test_pipelined_tensor_parallel_dropout_trains(local_world, sequence_parallel
     got = local_world(4).run(pipelined_dropout, sequence_parallel)
     losses = {pp: {loss for loss, p in got if p == pp} for pp in (0, 1)}
     assert all(len(v) == 1 for v in losses.values()), got  # the tp partners of a stage agree
+
+
+def whole_leaf_on_split_heads(mesh, sequence_parallel: bool):
+    from transformers import PhiConfig, PhiForCausalLM
+
+    torch.manual_seed(0)
+    model = PhiForCausalLM(PhiConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                     num_attention_heads=4, qk_layernorm=True))  # fmt: skip
+    rules = tp.hf_rules(model)
+    apply_fn, params = fs.functionalize(tp.parallelize(model, rules, mesh, sequence_parallel=sequence_parallel))
+    step = fs.sharded_step(lambda p, ids: apply_fn(p, input_ids=ids).logits.float().mean(), mesh,
+                           optimizer=fs.optim.sgd(0.1), placements=rules, schedule=fs.Schedule(trace=False))  # fmt: skip
+    try:
+        step(step.init(params, values="trust"), torch.zeros(2, 8, dtype=torch.long))
+    except tp.PlacementError as error:
+        return str(error)
+    return None
+
+
+def test_a_whole_parameter_used_on_split_activations_is_refused():
+    """Phi's per-head q/k LayerNorms are not in its tensor-parallel plan: kept whole, they ran on
+    each rank's own heads, and each rank applied its part of their gradient (99 % off single-process
+    training, the replicas drifting apart: an adversarial pass; also Apertus' xIELU, Cohere's
+    per-head norms). Refused, naming the leaf and the fixes; with sequence parallelism, which
+    all-reduces every whole parameter's gradient, it trains."""
+    pytest.importorskip("transformers")
+    for message in simulated({"tp": 2}).run(whole_leaf_on_split_heads, False):
+        assert message is not None and "leaf 'model.layers.0.self_attn.q_layernorm.weight' is whole on every rank of ['tp']" in message
+        assert "'replicated_with_grad_allreduce'" in message and "sequence_parallel=True" in message, message
+    assert simulated({"tp": 2}).run(whole_leaf_on_split_heads, True) == [None, None]

@@ -82,7 +82,7 @@ def _slice(x: torch.Tensor, dim: int, mesh: BaseMesh, axis: str) -> torch.Tensor
     size = mesh.shape[axis]
     piece = x.shape[dim] // size
     out = x.narrow(dim, mesh.coordinates[axis] * piece, piece).contiguous()
-    note_collective(out, (axis,), "split")  # this rank's piece: it varies over the axis (`_split_random`)
+    note_collective(out, (axis,), "split")  # this rank's piece: it varies over the axis (`_split_values`)
     return out
 
 
@@ -223,7 +223,9 @@ def copy_to(x: torch.Tensor, mesh: BaseMesh, axis: str = "tp") -> torch.Tensor:
         return x
     if adjoint_ops_enabled():
         return issue(x, "copy", 0, mesh, axis)
-    return CopyTo.apply(x, mesh, axis)
+    out = CopyTo.apply(x, mesh, axis)
+    note_collective(out, (axis,), "copy")  # its gradient is summed: no longer a whole leaf's alone (`_split_values`)
+    return out
 
 
 def reduce_from(x: torch.Tensor, mesh: BaseMesh, axis: str = "tp") -> torch.Tensor:

@@ -145,7 +145,7 @@ class SequenceParallelDropout(_SequenceParallel):
         # What F.dropout does on the CPU (empty, bernoulli_(1 - p), div_(1 - p), multiply), on the whole activation.
         # from `x` (new_empty): a pipeline's cut puts the draw on x's stage (a draw reading nothing is refused there)
         noise = x.new_empty(shape)
-        note_collective(noise, (axis,), "whole")  # the whole activation's mask: the same on every rank (`_split_random`)
+        note_collective(noise, (axis,), "whole")  # the whole activation's mask: the same on every rank (`_split_values`)
         noise = noise.bernoulli_(1 - self.p).div_(1 - self.p)
         # A copy, not a view: the backward keeps only this rank's slice of the mask alive.
         mine = noise.narrow(SEQUENCE_DIM, index * piece, piece).clone(memory_format=torch.contiguous_format)

@@ -1,4 +1,5 @@
-"""Random numbers on activations split over a model-parallel axis: drawn per rank (`SplitRandom`).
+"""What varies over a model-parallel axis while `loss_fn` runs (`SplitValues`): dropout on split
+activations drawn per rank, whole trainable leaves used with them refused.
 
 A step seeds torch's generators per data rank (`_random.stream`), so the ranks of a `tp` group
 draw the same numbers: a dropout on an activation they all hold (the residual stream after a
@@ -16,7 +17,17 @@ every rank's stream left where the others' is. Any other random operation on a s
 `StepError` naming it and the axis. Under sequence parallelism `nn.Dropout` is
 `tensor_parallel._sequence`'s, which draws the whole activation's mask (the single process's).
 
-While `loss_fn` runs, `SplitRandom` (a dispatch mode) follows which tensors vary over the split
+A trainable leaf kept whole on every rank (not in the rules, or `Replicated`) and used with a
+split activation (a per-head norm on the rank's own heads, a learnable activation on a
+column-parallel output) gets only this rank's part of its gradient: each rank would apply its own
+and the copies drift apart (an adversarial pass: Phi's `q_layernorm` 99 % off, Apertus' xIELU
+alphas 548 %). Unless the value reached the split activation through `copy_to` (whose backward
+sums the gradient: the `replicated_with_grad_allreduce` style, sequence parallelism's whole
+parameters, a column-parallel layer's input), such a use raises `WholeLeafError` (a
+`PlacementError`) naming the leaf and the fixes. Values made from a whole leaf alone are followed
+through every operation until a collective.
+
+While `loss_fn` runs, `SplitValues` (a dispatch mode) follows which tensors vary over the split
 axes: the parameters split over them (through `torch.func`'s wrappers), and every output of an
 operation that reads one, except what a collective over such an axis makes whole (an
 all-reduce or all-gather: the same on every rank), while a reduce-scatter over it, or the
@@ -40,23 +51,33 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 from . import _tracing
 from ._losses import StepError
+from .schedule._axes import abstract_group_name
+from .tensor_parallel._placement import PlacementError
 
-__all__ = ["SplitRandom"]
+__all__ = ["SplitValues", "WholeLeafError"]
+
+class WholeLeafError(PlacementError):
+    """A whole trainable leaf used with an activation split over a model axis."""
+
 
 _WHOLE = frozenset({"all_reduce", "all_reduce_coalesced", "all_gather_into_tensor", "all_gather_into_tensor_coalesced", "broadcast"})
 _SPLIT = frozenset({"reduce_scatter_tensor", "reduce_scatter_tensor_coalesced", "all_to_all_single"})
 
 
-class SplitRandom(TorchDispatchMode):
+class SplitValues(TorchDispatchMode):
     """Random operations on tensors that vary over `axes`: dropout per rank, others refused (see the module)."""
 
-    def __init__(self, mesh: Any, axes: Sequence[str], split: Sequence[torch.Tensor]):
+    def __init__(self, mesh: Any, axes: Sequence[str], split: Sequence[torch.Tensor], whole: Sequence[tuple[str, torch.Tensor]] = ()):
         super().__init__()
         self.axes = tuple(axes)
         self.varying = WeakTensorKeyDictionary()
         for t in split:
             for level in _levels(t):
                 self.varying[level] = True
+        self.whole = WeakTensorKeyDictionary()  # a value made from a whole trainable leaf alone -> the leaf's path
+        for path, t in whole:
+            for level in _levels(t):
+                self.whole[level] = path
         self.groups = _group_axes(mesh)
         self.size, self.index = 1, 0  # ranks over the split axes, and this one's row-major index among them
         for axis in self.axes:
@@ -76,7 +97,7 @@ class SplitRandom(TorchDispatchMode):
 
     def _noted(self, out: Any, axes: Sequence[str], kind: str) -> None:
         if set(axes) & set(self.axes):
-            self.mark(out, kind == "split")
+            self.mark(out, kind == "split" or (kind == "copy" and self.varies(out)))
 
     def varies(self, t: Any) -> bool:
         return isinstance(t, torch.Tensor) and any(level in self.varying for level in _levels(t))
@@ -90,7 +111,9 @@ class SplitRandom(TorchDispatchMode):
             f"models train without), or train without tensor parallelism"
         )
 
-    def mark(self, out: Any, varying: bool) -> None:
+    def mark(self, out: Any, varying: bool, leaf: str | None = None) -> None:
+        """`out` varies over the axes (or not); `leaf`: made from that whole trainable leaf alone
+        (None: from none, as whatever a tensor-parallel collective makes, `copy_to` included)."""
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 for level in _levels(t):
@@ -98,23 +121,40 @@ class SplitRandom(TorchDispatchMode):
                         self.varying[level] = True
                     else:
                         self.varying.pop(level, None)
+                    if leaf is None:
+                        self.whole.pop(level, None)
+                    else:
+                        self.whole[level] = leaf
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        varying = any(isinstance(t, torch.Tensor) and t in self.varying for t in tree_leaves((args, kwargs)))
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        varying = any(t in self.varying for t in tensors)
+        leaf = next((self.whole[t] for t in tensors if t in self.whole), None)
         if varying and torch.Tag.nondeterministic_seeded in func.tags and _draws(func, args, kwargs):
             self.refuse(str(func))  # a draw shaped by a split tensor (fused attention's dropout_p, bernoulli(x))
+        if varying and leaf is not None:
+            raise WholeLeafError(
+                f"leaf {leaf!r} is whole on every rank of {list(self.axes)}, but {func} uses it with an activation "
+                f"split over {self.axes[0]!r}: its gradient would be each rank's part of the sum, and the ranks' copies "
+                f"would drift apart. Give it a rule: split it with the activation, or style "
+                f"'replicated_with_grad_allreduce' (its gradient all-reduced over {self.axes[0]!r}), or use sequence "
+                f"parallelism (parallelize(..., sequence_parallel=True) all-reduces every whole parameter's gradient)"
+            )
         out = func(*args, **kwargs)
+        collective = None  # what a tensor-parallel collective over the axes makes: "whole" or "split"
         if func.namespace == "_c10d_functional" and (func._opname in _WHOLE or func._opname in _SPLIT):
             group = next((a for a in reversed(args) if isinstance(a, str)), None)
             if set(self.groups.get(group, ())) & set(self.axes):
-                varying = func._opname in _SPLIT
+                collective = "split" if func._opname in _SPLIT else "whole"
         elif func.namespace == "functional_shard" and func._opname == "tp_collective":  # a pipeline stage's trace
             kind, groups = args[1], (args[3], args[4])
-            if kind != "copy" and any(set(self.groups.get(g, (g.removeprefix("abstract:"),))) & set(self.axes) for g in groups):
-                varying = kind in ("reduce_scatter", "scatter")
-        if varying:
-            self.mark(out, True)
+            if any(set(self.groups.get(g, (g.removeprefix("abstract:"),))) & set(self.axes) for g in groups):
+                collective = {"copy": "copy", "reduce_scatter": "split", "scatter": "split"}.get(kind, "whole")
+        if collective is not None:
+            self.mark(out, collective == "split" or (collective == "copy" and varying))
+        elif varying or leaf is not None:
+            self.mark(out, varying, leaf)
         return out
 
 
@@ -122,7 +162,7 @@ class _RandomCalls(TorchFunctionMode):
     """The dropout functions, seen where they are called with the activation (their aten form draws
     the mask from a fresh tensor of its shape, which no longer reads it)."""
 
-    def __init__(self, split: SplitRandom):
+    def __init__(self, split: SplitValues):
         super().__init__()
         self.split = split
 
@@ -143,7 +183,7 @@ class _RandomCalls(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _per_rank_dropout(x: torch.Tensor, p: float, inplace: bool, split: SplitRandom) -> torch.Tensor:
+def _per_rank_dropout(x: torch.Tensor, p: float, inplace: bool, split: SplitValues) -> torch.Tensor:
     """`F.dropout(x, p)` on an activation split over ranks: the masks of all `split.size` ranks
     drawn from the stream they share (what CPU dropout does, `bernoulli_(1 - p).div_(1 - p)`, on
     `[size, *x.shape]`), this rank's (`split.index`) kept: independent masks for the ranks' pieces, and
@@ -175,7 +215,7 @@ def _levels(t: torch.Tensor) -> list[torch.Tensor]:
 
 
 def _group_axes(mesh: Any) -> dict[str, tuple[str, ...]]:
-    """Process group name -> the mesh axes its ranks span (a `Mesh`'s groups; none elsewhere)."""
+    """Process group name -> the mesh axes its ranks span (a `Mesh`'s groups, an `AbstractMesh`'s names)."""
     out: dict[str, tuple[str, ...]] = {}
     for attribute in ("_group_names", "_gather_group_names", "_reduce_group_names"):
         for axis, name in getattr(mesh, attribute, {}).items():
@@ -183,6 +223,10 @@ def _group_axes(mesh: Any) -> dict[str, tuple[str, ...]]:
     world = getattr(mesh, "_world_group_name", None)
     if world is not None:
         out[world] = tuple(mesh.axis_names)
+    if getattr(mesh, "abstract", False):  # an `AbstractMesh`: its collectives name their axis ("world": every axis)
+        for axis in mesh.axis_names:
+            out[abstract_group_name(axis, mesh.shape)] = (axis,)
+        out[abstract_group_name("world", mesh.shape)] = tuple(mesh.axis_names)
     return out
 
 
