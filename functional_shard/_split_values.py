@@ -56,6 +56,7 @@ from .tensor_parallel._placement import PlacementError
 
 __all__ = ["SplitValues", "WholeLeafError"]
 
+
 class WholeLeafError(PlacementError):
     """A whole trainable leaf used with an activation split over a model axis."""
 
@@ -65,7 +66,9 @@ _SPLIT = frozenset({"reduce_scatter_tensor", "reduce_scatter_tensor_coalesced", 
 
 
 class SplitValues(TorchDispatchMode):
-    """Random operations on tensors that vary over `axes`: dropout per rank, others refused (see the module)."""
+    """While `loss_fn` runs: what varies over `axes`, and what is made from a whole trainable leaf
+    alone; dropout on varying tensors per rank, other random operations on them and whole leaves
+    used with them refused (see the module)."""
 
     def __init__(self, mesh: Any, axes: Sequence[str], split: Sequence[torch.Tensor], whole: Sequence[tuple[str, torch.Tensor]] = ()):
         super().__init__()
