@@ -46,7 +46,6 @@ from typing import Any, Sequence
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from . import _tracing
@@ -117,23 +116,22 @@ class SplitValues(TorchDispatchMode):
     def mark(self, out: Any, varying: bool, leaf: str | None = None) -> None:
         """`out` varies over the axes (or not); `leaf`: made from that whole trainable leaf alone
         (None: from none, as whatever a tensor-parallel collective makes, `copy_to` included)."""
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                for level in _levels(t):
-                    if varying:
-                        self.varying[level] = True
-                    else:
-                        self.varying.pop(level, None)
-                    if leaf is None:
-                        self.whole.pop(level, None)
-                    else:
-                        self.whole[level] = leaf
+        for t in _tensors((out,)):
+            for level in _levels(t):
+                if varying:
+                    self.varying[level] = True
+                else:
+                    self.varying.pop(level, None)
+                if leaf is None:
+                    self.whole.pop(level, None)
+                else:
+                    self.whole[level] = leaf
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        tensors = _tensors(args, kwargs)
         varying = any(t in self.varying for t in tensors)
-        leaf = next((self.whole[t] for t in tensors if t in self.whole), None)
+        leaf = next((self.whole[t] for t in tensors if t in self.whole), None) if self.whole else None
         if varying and torch.Tag.nondeterministic_seeded in func.tags and _draws(func, args, kwargs):
             self.refuse(str(func))  # a draw shaped by a split tensor (fused attention's dropout_p, bernoulli(x))
         if varying and leaf is not None:
@@ -207,6 +205,18 @@ _DROPOUTS = _ELEMENTWISE | {
     _F.dropout1d, _F.dropout2d, _F.dropout3d, _F.alpha_dropout, _F.feature_alpha_dropout, torch.alpha_dropout,
     torch.feature_dropout, torch.feature_alpha_dropout,
 }  # fmt: skip
+
+
+def _tensors(args: tuple, kwargs: dict | None = None) -> list[torch.Tensor]:
+    """The tensors among an operation's arguments (or outputs), lists of them included: what
+    `tree_leaves` finds there, at a fraction of its cost (every operation of `loss_fn` pays it)."""
+    out = []
+    for a in (*args, *kwargs.values()) if kwargs else args:
+        if isinstance(a, torch.Tensor):
+            out.append(a)
+        elif isinstance(a, (list, tuple)):
+            out.extend(x for x in a if isinstance(x, torch.Tensor))
+    return out
 
 
 def _levels(t: torch.Tensor) -> list[torch.Tensor]:
