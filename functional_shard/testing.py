@@ -88,6 +88,10 @@ class LocalWorld:
 class SimulatedWorld:
     """`world_size` ranks as threads of this process, on a `SimulatedMesh`.
 
+    The threads share torch's random generators (a step seeds the process's generator for its
+    rank): what a random operation draws (dropout) depends on how the threads interleave, so
+    compare random steps across ranks on a `LocalWorld` (processes) instead.
+
     Arguments:
         world_size: number of thread-ranks.
         axes: the mesh axes (default `{"fsdp": world_size}`).
