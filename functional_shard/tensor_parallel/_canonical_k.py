@@ -35,7 +35,7 @@ Cost (CPU, one thread, forward + backward, against `F.linear` at M=512, d=1024, 
 
 A prototype (not exported). What stays outside: the global gradient norm (and so clipping)
 sums squares over each rank's buffer of pieces; dropout inside the split section (attention
-weights on local heads) draws masks for `n_head / T` heads from a stream the `tp` ranks share;
+weights on local heads) draws per `tp` rank (`_split_values`), so its masks depend on `T`;
 sequence parallelism is not supported.
 """
 
