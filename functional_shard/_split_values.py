@@ -11,7 +11,7 @@ equal on the two halves of a split layer, before 2026-11-29).
 
 So, as Megatron draws those from a stream per tensor-parallel rank, `F.dropout` / `nn.Dropout`
 on a split activation draws the masks of all the ranks over the split axes from the shared
-stream (`[ranks, *shape]`, what CPU dropout draws for one) and keeps its own: independent masks,
+stream (one after the other, what CPU dropout draws for one) and keeps its own: independent masks,
 every rank's stream left where the others' is. Any other random operation on a split tensor
 (fused attention's `dropout_p`, `bernoulli(x)`, channel or alpha dropout) is refused with a
 `StepError` naming it and the axis. Under sequence parallelism `nn.Dropout` is
@@ -186,16 +186,21 @@ class _RandomCalls(TorchFunctionMode):
 
 def _per_rank_dropout(x: torch.Tensor, p: float, inplace: bool, split: SplitValues) -> torch.Tensor:
     """`F.dropout(x, p)` on an activation split over ranks: the masks of all `split.size` ranks
-    drawn from the stream they share (what CPU dropout does, `bernoulli_(1 - p).div_(1 - p)`, on
-    `[size, *x.shape]`), this rank's (`split.index`) kept: independent masks for the ranks' pieces, and
-    every rank's stream left where the others' is (a later draw on a whole activation agrees)."""
+    drawn from the stream they share, one after the other (what CPU dropout does,
+    `bernoulli_(1 - p).div_(1 - p)`), this rank's (`split.index`) kept: independent masks for the
+    ranks' pieces, every rank's stream left where the others' is (a later draw on a whole
+    activation agrees), and one other mask alive at a time (not `size` of them: at long sequences
+    the attention weights' masks of every rank would be the whole model's)."""
     if p == 1:
         return x.mul_(0) if inplace else x * torch.zeros((), dtype=x.dtype, device=x.device)
-    # from `x` (new_empty): a pipeline's cut puts the draw on x's stage (a draw reading nothing is refused there)
-    noise = x.new_empty((split.size, *x.shape))
-    split.mark(noise, False)  # the draw is every rank's: the same on all
-    noise = noise.bernoulli_(1 - p).div_(1 - p)
-    mine = noise[split.index].clone(memory_format=torch.contiguous_format)  # the others' masks are not kept for the backward
+    mine = None
+    for rank in range(split.size):
+        # from `x` (new_empty): a pipeline's cut puts the draw on x's stage (a draw reading nothing is refused there)
+        noise = x.new_empty(x.shape)
+        split.mark(noise, False)  # the draw is every rank's: the same on all
+        noise = noise.bernoulli_(1 - p)
+        if rank == split.index:
+            mine = noise.div_(1 - p)
     return x.mul_(mine) if inplace else x * mine
 
 
