@@ -99,7 +99,13 @@ class SplitValues(TorchDispatchMode):
 
     def _noted(self, out: Any, axes: Sequence[str], kind: str) -> None:
         if set(axes) & set(self.axes):
-            self.mark(out, kind == "split" or (kind == "copy" and self.varies(out)))
+            self.made(out, kind, self.varies(out))
+
+    def made(self, out: Any, kind: str, varying: bool) -> None:
+        """`out` made by a tensor-parallel collective over the axes: "whole" (an all-reduce or
+        all-gather), "split" (a reduce-scatter, the rank's slice) or "copy" (`copy_to`: as it was,
+        `varying`); no longer a whole leaf's alone (the collective's backward sums)."""
+        self.mark(out, kind == "split" or (kind == "copy" and varying))
 
     def varies(self, t: Any) -> bool:
         return isinstance(t, torch.Tensor) and any(level in self.varying for level in _levels(t))
@@ -143,17 +149,13 @@ class SplitValues(TorchDispatchMode):
                 f"parallelism (parallelize(..., sequence_parallel=True) all-reduces every whole parameter's gradient)"
             )
         out = func(*args, **kwargs)
-        collective = None  # what a tensor-parallel collective over the axes makes: "whole" or "split"
+        kind, groups = None, ()  # what a collective makes ("whole", "split", "copy"), over which groups
         if func.namespace == "_c10d_functional" and (func._opname in _WHOLE or func._opname in _SPLIT):
-            group = next((a for a in reversed(args) if isinstance(a, str)), None)
-            if set(self.groups.get(group, ())) & set(self.axes):
-                collective = "split" if func._opname in _SPLIT else "whole"
+            kind, groups = "split" if func._opname in _SPLIT else "whole", [a for a in args if isinstance(a, str)][-1:]
         elif func.namespace == "functional_shard" and func._opname == "tp_collective":  # a pipeline stage's trace
-            kind, groups = args[1], (args[3], args[4])
-            if any(set(self.groups.get(g, (g.removeprefix("abstract:"),))) & set(self.axes) for g in groups):
-                collective = {"copy": "copy", "reduce_scatter": "split", "scatter": "split"}.get(kind, "whole")
-        if collective is not None:
-            self.mark(out, collective == "split" or (collective == "copy" and varying))
+            kind, groups = {"copy": "copy", "reduce_scatter": "split", "scatter": "split"}.get(args[1], "whole"), (args[3], args[4])
+        if kind is not None and any(set(self.groups.get(g, ())) & set(self.axes) for g in groups):
+            self.made(out, kind, varying)
         elif varying or leaf is not None:
             self.mark(out, varying, leaf)
         return out
@@ -245,6 +247,8 @@ def _group_axes(mesh: Any) -> dict[str, tuple[str, ...]]:
         for axis in mesh.axis_names:
             out[abstract_group_name(axis, mesh.shape)] = (axis,)
         out[abstract_group_name("world", mesh.shape)] = tuple(mesh.axis_names)
+    for axis in mesh.axis_names:  # what a pipeline stage's `tp_collective` names on a mesh without groups
+        out.setdefault(f"abstract:{axis}", (axis,))
     return out
 
 
