@@ -32,6 +32,7 @@ from ._shard import Sharded, _check_shards, gather_kept, shard_leaves
 from ._units import Units
 from .optim import LeafLayout, Optimizer, as_optimizer
 from .schedule import Schedule
+from .schedule._graph import check_units_named
 
 __all__ = ["StepState", "ShardedStep", "StepError"]
 
@@ -334,14 +335,13 @@ class ShardedStep:
         """CPU offload: the offloaded units' shards and optimizer state moved to host memory."""
         layout = state.params.layout
         chosen = [self.schedule.offload.selects(spec.unit) for spec in layout.buffers]
-        named = self.schedule.offload.units
         units = sorted({spec.unit for spec in layout.buffers})
-        if isinstance(named, tuple) and (unknown := [u for u in named if u not in units]):
-            raise StepError(f"Schedule(offload={self.schedule.offload!r}): no unit named {unknown} in this step; its units are {units}")
+        if isinstance(self.schedule.offload.units, tuple):
+            check_units_named(f"Schedule(offload={self.schedule.offload!r})", self.schedule.offload.units, units, StepError)
         if not any(chosen):
             raise StepError(
-                f"Schedule(offload={self.schedule.offload!r}) selects none of this step's units "
-                f"({sorted({spec.unit for spec in layout.buffers})}): name some, or leave offload out"
+                f"Schedule(offload={self.schedule.offload!r}) selects none of this step's units ({units}): name some, or "
+                f"leave offload out"
             )
 
         def host(t: torch.Tensor, where: str) -> torch.Tensor:

@@ -385,6 +385,14 @@ def unit_of_label(label: str) -> str:
     return label.split("@mb")[0]
 
 
+def check_units_named(what: str, named, known, error: type[Exception] = ValueError) -> None:
+    """Raises `error` naming the units in `named` that `known` (the step's units) lacks: an option
+    naming a unit the step does not have (a stale name, a typo) would be silently ignored."""
+    unknown = [unit for unit in named if unit not in known]
+    if unknown:
+        raise error(f"{what}: no unit named {unknown} in this step; its units are {list(known)}")
+
+
 def microbatch_of_label(label: str) -> str:
     """The micro-batch a gather's label names (`u@mb<i>` -> "i"; "" without micro-batches)."""
     return label.rpartition("@mb")[2] if "@mb" in label else ""

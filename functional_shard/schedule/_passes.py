@@ -20,6 +20,7 @@ from ._graph import (
     _C10D,
     Collective,
     aliases,
+    check_units_named,
     collectives,
     parameter_collectives,
     forward_end,
@@ -96,9 +97,7 @@ class reshard_after_forward(Pass):
             # A unit name the step does not have (a stale `rest`, a typo) would be silently ignored.
             gathered = [c for c in parameter_collectives(gm) if c.kind == "all_gather" and c.phase == "forward"]
             known = list(dict.fromkeys(unit_of_label(m.unit) for c in gathered for m in c.members()))
-            unknown = [unit for unit, _ in self.reshard if unit not in known]
-            if unknown:
-                raise ValueError(f"reshard_after_forward: no unit named {unknown} in this step; its units are {known}")
+            check_units_named("reshard_after_forward", [unit for unit, _ in self.reshard], known)
         for c in parameter_collectives(gm):
             if c.kind == "all_gather" and c.phase == "forward" and self.reshards(c.unit):
                 _gather_again_for_backward(gm, c, forward_end(gm, after=c.wait))

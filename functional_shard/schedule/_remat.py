@@ -43,6 +43,7 @@ from ._graph import (
     WAIT_OP,
     _is_view,
     _schema,
+    check_units_named,
     forward_end,
     positions,
     tag_of,
@@ -216,9 +217,7 @@ class rematerialize(Pass):
         parameters = gathered_parameters(gm, position, position[ends[-1]])
         known = list(dict.fromkeys(unit_of_label(u) for u in parameters.values()))
         if isinstance(self.units, tuple):
-            unknown = [u for u in self.units if u not in known]
-            if unknown:
-                raise ValueError(f"rematerialize: no unit named {unknown} in this step; its units are {known}")
+            check_units_named("rematerialize", self.units, known)
         microbatch_of, unit_of = forward_nodes(gm, parameters, position, ends)
         unit_of = boundaries_to_readers(gm, unit_of, microbatch_of, parameters)
         losses = {unit_of.get(end) for end in ends}
