@@ -17,7 +17,7 @@ import torch
 from torch import fx
 
 from ._context import Pass, PassContext
-from ._graph import _is_view, _schema, offload_copy_ops
+from ._graph import _is_view, _schema, offload_copy_ops, positions
 from ._remat import written_inputs
 
 __all__ = ["Offload", "stream_offload_copies", "offload_copies", "is_offload_copy", "copies_into", "is_to_host", "copy_source"]
@@ -84,44 +84,33 @@ def copy_source(node: fx.Node):
     return node.args[1] if copies_into(node) else node.args[0]
 
 
-def _last_write(gm: fx.GraphModule, source: fx.Node, copy: fx.Node) -> fx.Node:
-    """The last node before `copy` that makes or writes `source`'s storage: `source`, or an
-    in-place operation on it or on a view of it (the optimizer updates its private copies in
-    place: the copy must see the last write)."""
+def _writes(gm: fx.GraphModule, source: fx.Node):
+    """The nodes that write `source`'s storage in place, in graph order: an in-place operation
+    on it or on a view of it (the optimizer updates its private copies in place)."""
     storage = {source}
-    last = source
     for node in gm.graph.nodes:
-        if node is copy:
-            break
-        reads = set(node.all_input_nodes) & storage
-        if not reads:
+        if not set(node.all_input_nodes) & storage:
             continue
         written = set(written_inputs(node)) & storage
         if _is_view(node) or written or _returns_alias(node):
             storage.add(node)
         if written:
-            last = node
-    return last
+            yield node
 
 
-def _next_write(gm: fx.GraphModule, source, copy: fx.Node) -> fx.Node | None:
-    """The first node after `copy` that writes `source`'s storage in place (directly or through a
-    view of it made anywhere before), or None."""
+def _last_write(gm: fx.GraphModule, source: fx.Node, copy: fx.Node) -> fx.Node:
+    """The last node before `copy` that makes or writes `source`'s storage: `source`, or its last
+    in-place write before `copy` (the copy must see the last write)."""
+    order = positions(gm)
+    return max((w for w in _writes(gm, source) if order[w] < order[copy]), key=order.__getitem__, default=source)
+
+
+def _next_write(gm: fx.GraphModule, source, copy: fx.Node, order: dict) -> fx.Node | None:
+    """The first node after `copy` (`order`: the graph's positions) that writes `source`'s storage
+    in place, or None."""
     if not isinstance(source, fx.Node):
         return None
-    storage, after = {source}, False
-    for node in gm.graph.nodes:
-        if node is copy:
-            after = True
-            continue
-        if not set(node.all_input_nodes) & storage:
-            continue
-        written = set(written_inputs(node)) & storage
-        if after and written:
-            return node
-        if _is_view(node) or written or _returns_alias(node):
-            storage.add(node)
-    return None
+    return next((w for w in _writes(gm, source) if order[w] > order[copy]), None)
 
 
 def _returns_alias(node: fx.Node) -> bool:
@@ -196,7 +185,7 @@ def _before_first_reader(gm: fx.GraphModule, copy: fx.Node) -> None:
     if not readers:
         return
     first = min(readers, key=order.__getitem__)
-    write = _next_write(gm, copy_source(copy), copy)
+    write = _next_write(gm, copy_source(copy), copy, order)
     if write is not None and order[write] < order[first]:
         first = write  # an in-place write of what it copies (a hoisted weight decay): the copy reads before it
     inputs_ready = all(
